@@ -1,0 +1,18 @@
+"""fxrt: a fast graph runtime for PyTorch inference.
+
+Use it as a ``torch.compile`` backend::
+
+    compiled = torch.compile(model, backend="fxrt")
+
+or compile an ATen-level FX graph directly with :func:`compile_graph`.
+"""
+
+from .backend import backend
+from .compiler import CompiledGraph, compile_graph, get_compiler
+from .config import CompilerConfig
+from .errors import ExecutionError
+
+__version__ = "0.1.0"
+
+__all__ = ["CompiledGraph", "CompilerConfig", "ExecutionError", "backend", "compile_graph",
+           "get_compiler", "__version__"]

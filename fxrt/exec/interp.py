@@ -1,0 +1,115 @@
+"""The pure-Python loop: runs a Program instruction by instruction.
+
+It is the reference the compiled loop is tested against and the executor used when
+``FXRT_PURE_PYTHON=1`` or the extension is unavailable. Instructions are first turned into plain
+tuples with their argument lists pre-built (a list template with register slots to fill), so the
+loop itself does no analysis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import node_error
+from ..ir.graph import Ref, map_refs, refs_in
+from .program import Call, Free, Program
+
+_CALL, _FREE = 0, 1
+
+
+def _arg_loader(args: tuple, kwargs: dict) -> tuple:
+    """Split a call's arguments into a constant template and the register reads that fill it."""
+    tmpl, fills, deep = [], [], []
+    for pos, a in enumerate(args):
+        if isinstance(a, Ref):
+            tmpl.append(None)
+            fills.append((pos, a.id))
+        elif input_refs_of(a):
+            tmpl.append(None)
+            deep.append((pos, a))
+        else:
+            tmpl.append(a)
+    kw_const = {k: v for k, v in kwargs.items() if not input_refs_of(v)}
+    kw_deep = tuple((k, v) for k, v in kwargs.items() if input_refs_of(v))
+    return tmpl, tuple(fills), tuple(deep), kw_const, kw_deep
+
+
+def input_refs_of(a: Any) -> bool:
+    return isinstance(a, (Ref, list, tuple, dict)) and bool(refs_in(a))
+
+
+class PythonLoop:
+    """Executes a :class:`Program` in Python."""
+
+    name = "python"
+
+    def __init__(self, program: Program):
+        self.program = program
+        template: list[Any] = [None] * program.n_regs
+        for reg, obj in program.constants:
+            template[reg] = obj
+        self.template = template
+        self.inputs = program.inputs
+        self.n_inputs = len(program.inputs)
+        code: list[tuple] = []
+        for ins in program.code:
+            if isinstance(ins, Free):
+                code.append((_FREE, ins.regs))
+                continue
+            fn = ins.target._op if isinstance(ins, Call) else ins.target
+            code.append((_CALL, fn, *_arg_loader(ins.args, ins.kwargs), ins.outputs, ins.multi))
+        self.code = tuple(code)
+        out = program.output
+        if isinstance(out, (tuple, list)) and all(isinstance(o, Ref) for o in out):
+            regs = tuple(o.id for o in out)
+            kind = tuple if isinstance(out, tuple) else list
+            self.build_output: Callable[[list], Any] = lambda r: kind([r[i] for i in regs])
+        else:
+            self.build_output = lambda r: map_refs(out, lambda ref: r[ref.id])
+
+    def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
+        if len(inputs) != self.n_inputs:
+            raise TypeError(f"compiled graph takes {self.n_inputs} inputs, got {len(inputs)}")
+        regs = self.template.copy()
+        for r, x in zip(self.inputs, inputs):
+            regs[r] = x
+        pc = 0
+        try:
+            for pc, ins in enumerate(self.code):  # noqa: B007 - pc names the failing instruction
+                if ins[0] is _FREE:
+                    for r in ins[1]:
+                        regs[r] = None
+                    continue
+                _, fn, tmpl, fills, deep, kw_const, kw_deep, outs, multi = ins
+                a = tmpl.copy()
+                for p, r in fills:
+                    a[p] = regs[r]
+                for p, tree in deep:
+                    a[p] = map_refs(tree, lambda ref: regs[ref.id])
+                if kw_deep:
+                    kw = dict(kw_const)
+                    for k, tree in kw_deep:
+                        kw[k] = map_refs(tree, lambda ref: regs[ref.id])
+                    res = fn(*a, **kw)
+                else:
+                    res = fn(*a, **kw_const)
+                if multi:
+                    for o, v in zip(outs, res):
+                        regs[o] = v
+                else:
+                    regs[outs[0]] = res
+        except Exception as e:
+            raise self.error(pc, regs, e) from e
+        return self.build_output(regs)
+
+    def error(self, pc: int, regs: list[Any], exc: BaseException) -> Exception:
+        ins = self.program.code[pc]
+        if isinstance(ins, Free):
+            return exc
+        info = self.program.nodes[ins.node]
+        args = [map_refs(a, lambda ref: regs[ref.id]) for a in (*ins.args, *ins.kwargs.values())
+                if input_refs_of(a)]
+        return node_error(info.name, info.op, info.stack_trace, args, exc)
+
+
+__all__ = ["PythonLoop"]

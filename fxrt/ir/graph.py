@@ -1,0 +1,165 @@
+"""fxrt's intermediate representation.
+
+A :class:`Graph` is a list of :class:`Node` in execution order over dense integer value ids. Each
+value is defined once: by a graph input, by a constant the graph owns, or as one output of a node.
+The leaves (:class:`TensorMeta`, :class:`Value`, :class:`Ref`, :class:`Op`) are frozen; passes edit
+only the ``Graph`` and its ``Node`` objects.
+
+Node arguments keep the shape of the FX arguments they came from: Python constants, :class:`Ref`
+to a value, and lists/tuples of those (a ``Tensor[]`` argument such as ``cat``'s is a list of refs).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Static facts about a tensor value. Symbolic sizes are kept as their printed expression."""
+
+    shape: tuple[int | str, ...]
+    stride: tuple[int | str, ...]
+    dtype: torch.dtype
+    device: str
+    storage_nbytes: int | None = None  # bytes of the storage the tensor lives in, when static
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(s, int) for s in self.shape + self.stride)
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        dims = ", ".join(str(s) for s in self.shape)
+        return f"{dt}[{dims}]" + ("" if self.device == "cpu" else f"@{self.device}")
+
+
+class ValueKind(enum.Enum):
+    TENSOR = "tensor"
+    SYM = "sym"  # SymInt / SymFloat / SymBool
+    SCALAR = "scalar"  # a concrete Python number or bool
+    OTHER = "other"  # None, lists, modules, opaque objects
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    id: int
+    name: str
+    kind: ValueKind
+    meta: TensorMeta | None = None
+    expr: str | None = None  # the symbolic expression of a SYM value
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An argument that reads the value with id ``id``."""
+
+    id: int
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+
+class OpKind(enum.Enum):
+    ATEN = "aten"  # a torch OpOverload with a schema: runs natively in the compiled loop
+    PYTHON = "python"  # any other callable: runs as a fallback that calls back into Python
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    kind: OpKind
+    target: Any = field(compare=False)
+    name: str
+
+    @property
+    def schema(self) -> torch.FunctionSchema | None:
+        return self.target._schema if self.kind is OpKind.ATEN else None
+
+    @staticmethod
+    def of(target: Any) -> Op:
+        if isinstance(target, torch._ops.OpOverload):
+            return Op(OpKind.ATEN, target, str(target._schema.name)
+                      + (f".{target._overloadname}" if target._overloadname != "default" else ""))
+        return Op(OpKind.PYTHON, target, callable_name(target))
+
+
+def callable_name(fn: Any) -> str:
+    if isinstance(fn, torch._ops.HigherOrderOperator):
+        return f"higher_order.{fn.name()}"
+    mod = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if mod in ("_operator", "operator"):
+        mod = "operator"
+    return f"{mod}.{name}" if mod and mod != "builtins" else name
+
+
+@dataclass(slots=True)
+class Node:
+    """One operation. ``outputs`` are the ids it defines; ``multi`` says the op returns a sequence
+    whose elements are unpacked into ``outputs`` (one element each)."""
+
+    name: str
+    op: Op
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[int]
+    multi: bool = False
+    stack_trace: str | None = None
+
+    def input_ids(self) -> list[int]:
+        return refs_in((self.args, self.kwargs))
+
+
+@dataclass(slots=True)
+class Graph:
+    values: list[Value] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    constants: dict[int, Any] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    # The graph's result: the same nesting as the FX output (a tuple, a list or one value) of
+    # Ref and constants.
+    output: Any = None
+
+    def add_value(self, name: str, kind: ValueKind, meta: TensorMeta | None = None,
+                  expr: str | None = None) -> int:
+        vid = len(self.values)
+        self.values.append(Value(vid, name, kind, meta, expr))
+        return vid
+
+    def output_ids(self) -> list[int]:
+        return refs_in(self.output)
+
+
+def refs_in(tree: Any) -> list[int]:
+    """Ids of every Ref in a nested structure of tuples, lists and dicts, in order."""
+    found: list[int] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, Ref):
+            found.append(x.id)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(tree)
+    return found
+
+
+def map_refs(tree: Any, fn) -> Any:
+    """Rebuild a nested structure, replacing each Ref by ``fn(ref)``."""
+    if isinstance(tree, Ref):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(map_refs(x, fn) for x in tree)
+    if isinstance(tree, list):
+        return [map_refs(x, fn) for x in tree]
+    if isinstance(tree, dict):
+        return {k: map_refs(v, fn) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,60 @@
+"""Which node outputs may share storage with which node inputs.
+
+For an ATen op the answer comes from its schema's alias annotations: an output annotated
+``Tensor(a)`` (a view) or ``Tensor(a!)`` (an in-place result) aliases every argument annotated
+with the same set ``a``; a ``Tensor(a)[]`` return aliases it element by element. For a Python
+fallback nothing is known, so every output is assumed to alias every tensor-like input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in
+
+
+def bind_schema_args(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map argument names to the values a call passes for them (defaults not filled)."""
+    bound: dict[str, Any] = {}
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    for a, v in zip(positional, args):
+        bound[a.name] = v
+    for k, v in kwargs.items():
+        bound[k] = v
+    return bound
+
+
+def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
+    """For each output of ``node``, the ids of the inputs it may alias."""
+    if node.op.kind is OpKind.ATEN:
+        schema = node.op.schema
+        bound = bind_schema_args(schema, node.args, node.kwargs)
+        sets_of: list[tuple[frozenset[str], list[int]]] = []
+        for a in schema.arguments:
+            if a.alias_info is not None and a.name in bound:
+                sets_of.append((frozenset(a.alias_info.before_set), refs_in(bound[a.name])))
+
+        def aliased_by(ret: torch.Argument) -> list[int]:
+            if ret.alias_info is None:
+                return []
+            mine = set(ret.alias_info.before_set)
+            if "*" in mine:  # wildcard: may alias anything passed in
+                return node.input_ids()
+            return [v for sets, ids in sets_of if sets & mine for v in ids]
+
+        returns = schema.returns
+        if len(returns) == 1:
+            return [aliased_by(returns[0])] * len(node.outputs)
+        return [aliased_by(r) for r in returns][: len(node.outputs)]
+    tensorish = [v for v in node.input_ids()
+                 if graph.values[v].kind in (ValueKind.TENSOR, ValueKind.OTHER)]
+    return [tensorish] * len(node.outputs)
+
+
+def is_mutating(node: Node) -> bool:
+    """True if the node writes to one of its arguments (schema ``(a!)``) or is opaque Python."""
+    if node.op.kind is not OpKind.ATEN:
+        return True
+    return node.op.schema.is_mutable
