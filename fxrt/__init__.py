@@ -14,5 +14,12 @@ from .errors import ExecutionError
 
 __version__ = "0.1.0"
 
-__all__ = ["CompiledGraph", "CompilerConfig", "ExecutionError", "backend", "compile_graph",
-           "get_compiler", "__version__"]
+__all__ = [
+    "CompiledGraph",
+    "CompilerConfig",
+    "ExecutionError",
+    "backend",
+    "compile_graph",
+    "get_compiler",
+    "__version__",
+]

@@ -7,7 +7,8 @@ and both graphs are compiled by fxrt.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch.fx
 
@@ -15,8 +16,13 @@ from .compiler import get_compiler
 from .config import CompilerConfig
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
-            options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
     """The fxrt ``torch.compile`` backend.
 
     Args:
@@ -32,5 +38,6 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
 
     config = CompilerConfig.from_options(mode, options)
     compiler = get_compiler(config)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    return aot_autograd(
+        fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True
+    )(gm, example_inputs)

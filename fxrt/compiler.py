@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.fx
 
@@ -47,12 +48,17 @@ class CompiledGraph:
         return graph_to_text(self.graph)
 
     def __repr__(self) -> str:
-        return (f"CompiledGraph({len(self.graph.nodes)} nodes, {len(self.program.code)} "
-                f"instructions, executor={self.executor!r})")
+        return (
+            f"CompiledGraph({len(self.graph.nodes)} nodes, {len(self.program.code)} "
+            f"instructions, executor={self.executor!r})"
+        )
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | None = None,
-                  config: CompilerConfig | None = None) -> CompiledGraph:
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any] | None = None,
+    config: CompilerConfig | None = None,
+) -> CompiledGraph:
     """Compile an ATen-level GraphModule with fxrt.
 
     Args:
@@ -72,8 +78,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | None
     return CompiledGraph(graph, plan, program, config)
 
 
-def get_compiler(config: CompilerConfig | None = None
-                 ) -> Callable[[torch.fx.GraphModule, Sequence[Any]], CompiledGraph]:
+def get_compiler(
+    config: CompilerConfig | None = None,
+) -> Callable[[torch.fx.GraphModule, Sequence[Any]], CompiledGraph]:
     """Return ``(gm, example_inputs) -> CompiledGraph`` for use as an AOTAutograd
     ``fw_compiler``/``bw_compiler`` (how third-party graph compilers integrate)."""
     config = config or CompilerConfig()

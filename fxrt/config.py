@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -23,8 +24,9 @@ def env_flag(name: str, default: bool) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise ValueError(f"environment variable {name}={raw!r}: expected one of 1/0, true/false, "
-                     "yes/no, on/off")
+    raise ValueError(
+        f"environment variable {name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"
+    )
 
 
 @dataclass
@@ -49,16 +51,18 @@ class CompilerConfig:
             raise ValueError(f"fxrt: unknown mode {self.mode!r}; valid modes: {', '.join(MODES)}")
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"fxrt: option {f.name!r} must be a bool, got "
-                                 f"{getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"fxrt: option {f.name!r} must be a bool, got {getattr(self, f.name)!r}"
+                )
 
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "mode"]
 
     @classmethod
-    def from_options(cls, mode: str | None = None,
-                     options: Mapping[str, Any] | None = None) -> CompilerConfig:
+    def from_options(
+        cls, mode: str | None = None, options: Mapping[str, Any] | None = None
+    ) -> CompilerConfig:
         """Build a config from torch.compile's ``mode`` and ``options``.
 
         Raises:
@@ -69,6 +73,8 @@ class CompilerConfig:
         valid = cls.option_names()
         unknown = sorted(k for k in options if k not in valid)
         if unknown:
-            raise ValueError(f"fxrt: unknown option(s) {', '.join(map(repr, unknown))}; "
-                             f"valid options: {', '.join(valid)}")
+            raise ValueError(
+                f"fxrt: unknown option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options: {', '.join(valid)}"
+            )
         return cls(mode=mode or "default", **options)

@@ -25,11 +25,14 @@ def describe_value(x: Any) -> str:
     return type(x).__name__
 
 
-def node_error(node_name: str, op_name: str, stack_trace: str | None, inputs: list[Any],
-               exc: BaseException) -> ExecutionError:
+def node_error(
+    node_name: str, op_name: str, stack_trace: str | None, inputs: list[Any], exc: BaseException
+) -> ExecutionError:
     """Build the ExecutionError for a failed node; the caller raises it ``from exc``."""
-    lines = [f"node '{node_name}' ({op_name}) failed: {type(exc).__name__}: {exc}".rstrip(),
-             "  inputs: " + (", ".join(describe_value(x) for x in inputs) or "none")]
+    lines = [
+        f"node '{node_name}' ({op_name}) failed: {type(exc).__name__}: {exc}".rstrip(),
+        "  inputs: " + (", ".join(describe_value(x) for x in inputs) or "none"),
+    ]
     if stack_trace:
         lines.append("  from user code:")
         lines += ["    " + ln for ln in stack_trace.strip().splitlines()[-4:]]

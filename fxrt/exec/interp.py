@@ -8,7 +8,8 @@ loop itself does no analysis.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import node_error
 from ..ir.graph import Ref, map_refs, refs_in
@@ -107,8 +108,11 @@ class PythonLoop:
         if isinstance(ins, Free):
             return exc
         info = self.program.nodes[ins.node]
-        args = [map_refs(a, lambda ref: regs[ref.id]) for a in (*ins.args, *ins.kwargs.values())
-                if input_refs_of(a)]
+        args = [
+            map_refs(a, lambda ref: regs[ref.id])
+            for a in (*ins.args, *ins.kwargs.values())
+            if input_refs_of(a)
+        ]
         return node_error(info.name, info.op, info.stack_trace, args, exc)
 
 

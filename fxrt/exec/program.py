@@ -85,8 +85,9 @@ def lower(graph: Graph, plan: Plan) -> Program:
     for i, node in enumerate(graph.nodes):
         infos.append(NodeInfo(node.name, node.op.name, node.stack_trace))
         cls = Call if node.op.kind is OpKind.ATEN else PyCall
-        code.append(cls(i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs),
-                        node.multi))
+        code.append(
+            cls(i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
+        )
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     return Program(
@@ -104,8 +105,11 @@ def lower(graph: Graph, plan: Plan) -> Program:
 def program_to_text(program: Program) -> str:
     """The listing: one numbered line per instruction, FREEs included, then the fallbacks."""
     names = dict(enumerate(program.reg_names))
-    lines = ["program(" + ", ".join(f"%{names[r]}" for r in program.inputs)
-             + f"): {program.n_regs} registers"]
+    lines = [
+        "program("
+        + ", ".join(f"%{names[r]}" for r in program.inputs)
+        + f"): {program.n_regs} registers"
+    ]
     for r, c in program.constants:
         lines.append(f"  const  %{names[r]} = {format_arg(c)}")
     for pc, ins in enumerate(program.code):
@@ -116,8 +120,11 @@ def program_to_text(program: Program) -> str:
             if ins.multi:
                 outs = f"({outs})"
             opcode = "CALL   " if isinstance(ins, Call) else "PYCALL "
-            text = opcode + f"{outs} = " + format_call(program.nodes[ins.node].op, ins.args,
-                                                       ins.kwargs, names)
+            text = (
+                opcode
+                + f"{outs} = "
+                + format_call(program.nodes[ins.node].op, ins.args, ins.kwargs, names)
+            )
         lines.append(f"  {pc:>4}  {text}")
     lines.append(f"  return {format_arg(program.output, names)}")
     if program.fallbacks:
@@ -129,5 +136,15 @@ def input_refs(ins: Call | PyCall) -> list[int]:
     return refs_in((ins.args, ins.kwargs))
 
 
-__all__ = ["Call", "Free", "Instr", "NodeInfo", "Program", "PyCall", "Ref", "input_refs", "lower",
-           "program_to_text"]
+__all__ = [
+    "Call",
+    "Free",
+    "Instr",
+    "NodeInfo",
+    "Program",
+    "PyCall",
+    "Ref",
+    "input_refs",
+    "lower",
+    "program_to_text",
+]

@@ -6,6 +6,20 @@ from .printer import graph_to_text
 from .verify import VerificationError, verify
 
 __all__ = [
-    "ConversionError", "Graph", "Node", "Op", "OpKind", "Ref", "TensorMeta", "Value", "ValueKind",
-    "VerificationError", "from_fx", "graph_to_text", "map_refs", "refs_in", "tensor_meta", "verify",
+    "ConversionError",
+    "Graph",
+    "Node",
+    "Op",
+    "OpKind",
+    "Ref",
+    "TensorMeta",
+    "Value",
+    "ValueKind",
+    "VerificationError",
+    "from_fx",
+    "graph_to_text",
+    "map_refs",
+    "refs_in",
+    "tensor_meta",
+    "verify",
 ]

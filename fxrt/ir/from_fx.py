@@ -17,7 +17,8 @@ The mapping is direct, node for node:
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -38,8 +39,13 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
         nbytes = int(nbytes) if _is_static_int(nbytes) else None
     except Exception:  # sparse, nested, or storage-less tensor subclasses
         nbytes = None
-    return TensorMeta(dims(t.shape), dims(t.stride()) if t.layout == torch.strided else (),
-                      t.dtype, str(t.device), nbytes)
+    return TensorMeta(
+        dims(t.shape),
+        dims(t.stride()) if t.layout == torch.strided else (),
+        t.dtype,
+        str(t.device),
+        nbytes,
+    )
 
 
 def _is_static_int(x: Any) -> bool:
@@ -70,8 +76,10 @@ def _sequence_length(node: torch.fx.Node) -> int | None:
     if isinstance(ex, (list, tuple)):
         return len(ex)
     users = list(node.users)
-    if users and all(u.op == "call_function" and u.target is operator.getitem
-                     and isinstance(u.args[1], int) for u in users):
+    if users and all(
+        u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+        for u in users
+    ):
         return max(u.args[1] for u in users) + 1
     return None
 
@@ -138,8 +146,12 @@ class _Converter:
         self.add_node(node, Op.of(target), node.args, node.kwargs)
 
     def on_call_method(self, node: torch.fx.Node) -> None:
-        self.add_node(node, Op(OpKind.PYTHON, _MethodCall(node.target), f"method.{node.target}"),
-                      node.args, node.kwargs)
+        self.add_node(
+            node,
+            Op(OpKind.PYTHON, _MethodCall(node.target), f"method.{node.target}"),
+            node.args,
+            node.kwargs,
+        )
 
     def on_call_module(self, node: torch.fx.Node) -> None:
         mod = self.gm.get_submodule(node.target)
@@ -156,8 +168,17 @@ class _Converter:
             items = ex if isinstance(ex, (list, tuple)) and len(ex) == n else [None] * n
             outputs = [self.value_for(f"{node.name}_{i}", x) for i, x in enumerate(items)]
             self.env[node] = [Ref(v) for v in outputs]
-        self.graph.nodes.append(Node(node.name, op, args, kwargs, outputs, multi=n is not None,
-                                     stack_trace=node.meta.get("stack_trace")))
+        self.graph.nodes.append(
+            Node(
+                node.name,
+                op,
+                args,
+                kwargs,
+                outputs,
+                multi=n is not None,
+                stack_trace=node.meta.get("stack_trace"),
+            )
+        )
 
     def on_output(self, node: torch.fx.Node) -> None:
         out = self.arg(node.args[0])

@@ -82,8 +82,12 @@ class Op:
     @staticmethod
     def of(target: Any) -> Op:
         if isinstance(target, torch._ops.OpOverload):
-            return Op(OpKind.ATEN, target, str(target._schema.name)
-                      + (f".{target._overloadname}" if target._overloadname != "default" else ""))
+            return Op(
+                OpKind.ATEN,
+                target,
+                str(target._schema.name)
+                + (f".{target._overloadname}" if target._overloadname != "default" else ""),
+            )
         return Op(OpKind.PYTHON, target, callable_name(target))
 
 
@@ -124,8 +128,9 @@ class Graph:
     # Ref and constants.
     output: Any = None
 
-    def add_value(self, name: str, kind: ValueKind, meta: TensorMeta | None = None,
-                  expr: str | None = None) -> int:
+    def add_value(
+        self, name: str, kind: ValueKind, meta: TensorMeta | None = None, expr: str | None = None
+    ) -> int:
         vid = len(self.values)
         self.values.append(Value(vid, name, kind, meta, expr))
         return vid

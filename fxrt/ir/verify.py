@@ -21,8 +21,9 @@ def verify(graph: Graph) -> Graph:
         if not 0 <= vid < n:
             raise VerificationError(f"{where}: value id {vid} is out of range (graph has {n})")
         if vid in defined:
-            raise VerificationError(f"{where}: value %{vid} ({graph.values[vid].name}) is "
-                                    "defined more than once")
+            raise VerificationError(
+                f"{where}: value %{vid} ({graph.values[vid].name}) is defined more than once"
+            )
         defined.add(vid)
 
     for vid in graph.inputs:
@@ -33,13 +34,15 @@ def verify(graph: Graph) -> Graph:
         for vid in node.input_ids():
             if vid not in defined:
                 name = graph.values[vid].name if 0 <= vid < n else "?"
-                raise VerificationError(f"node {node.name} ({node.op.name}) uses %{vid} "
-                                        f"({name}) before it is defined")
+                raise VerificationError(
+                    f"node {node.name} ({node.op.name}) uses %{vid} ({name}) before it is defined"
+                )
         if not node.outputs:
             raise VerificationError(f"node {node.name} ({node.op.name}) defines no value")
         if not node.multi and len(node.outputs) != 1:
-            raise VerificationError(f"node {node.name} has {len(node.outputs)} outputs but is "
-                                    "not marked multi")
+            raise VerificationError(
+                f"node {node.name} has {len(node.outputs)} outputs but is not marked multi"
+            )
         for vid in node.outputs:
             define(vid, f"node {node.name}")
     for vid in refs_in(graph.output):

@@ -48,8 +48,9 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         if len(returns) == 1:
             return [aliased_by(returns[0])] * len(node.outputs)
         return [aliased_by(r) for r in returns][: len(node.outputs)]
-    tensorish = [v for v in node.input_ids()
-                 if graph.values[v].kind in (ValueKind.TENSOR, ValueKind.OTHER)]
+    tensorish = [
+        v for v in node.input_ids() if graph.values[v].kind in (ValueKind.TENSOR, ValueKind.OTHER)
+    ]
     return [tensorish] * len(node.outputs)
 
 
