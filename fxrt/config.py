@@ -39,7 +39,7 @@ class CompilerConfig:
         verify: run the IR verifier after conversion and after every pass. Default from
             ``FXRT_VERIFY`` (on).
         mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows; on CPU they
-            all run the same program (``reduce-overhead`` is where device-graph capture will hook in).
+            all run the same program (``reduce-overhead`` is where device-graph capture hooks in).
     """
 
     pure_python: bool = field(default_factory=lambda: env_flag("FXRT_PURE_PYTHON", False))
