@@ -29,9 +29,10 @@ class CompiledGraph:
         executor: the name of the loop that runs it: ``"python"`` or ``"cpp"``.
     """
 
-    _boxed_call = True
-
     def __init__(self, graph: Graph, plan: Plan, program: Program, config: CompilerConfig):
+        # An instance attribute, not a class one: torch's wrappers (``functools.wraps``) copy the
+        # instance ``__dict__``, and AOTAutograd reads the flag from the wrapper.
+        self._boxed_call = True
         self.graph = graph
         self.plan = plan
         self.program = program

@@ -42,6 +42,10 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
             mine = set(ret.alias_info.before_set)
             if "*" in mine:  # wildcard: may alias anything passed in
                 return node.input_ids()
+            if not mine:
+                # A list return such as split's ``Tensor(a)[]`` keeps its element alias sets in
+                # the contained type, which Python cannot see: alias every annotated argument.
+                return [v for _, ids in sets_of for v in ids]
             return [v for sets, ids in sets_of if sets & mine for v in ids]
 
         returns = schema.returns

@@ -1,0 +1,103 @@
+"""Small built-in models: the benchmark workloads (W1-W3), the demo, and the model tests.
+
+* W1 ``OpChain``: 200 alternating add/mul/relu/sin ops on a 1x64 tensor (pure host overhead).
+* W2 ``MLP``: batch-1 MLP, 4 x Linear(256) with GELU and LayerNorm.
+* W3 ``DecoderBlock``: one pre-norm transformer decoder block (seq 16, hidden 128, 4 heads) with a
+  causal attention mask; with ``cache_len`` set it also updates a KV cache in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class OpChain(nn.Module):
+    """W1: ``n`` cheap elementwise ops in a row; only dispatch cost matters."""
+
+    def __init__(self, n: int = 200):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n):
+            k = i % 4
+            if k == 0:
+                x = x + 1.0
+            elif k == 1:
+                x = x * 0.5
+            elif k == 2:
+                x = torch.relu(x)
+            else:
+                x = torch.sin(x)
+        return x
+
+
+class MLP(nn.Module):
+    """W2: Linear -> GELU -> LayerNorm, four times."""
+
+    def __init__(self, dim: int = 256, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin, norm in zip(self.layers, self.norms):
+            x = norm(F.gelu(lin(x)))
+        return x
+
+
+class DecoderBlock(nn.Module):
+    """W3: pre-norm attention + MLP with a causal mask.
+
+    With ``cache_len`` the block keeps ``k_cache``/``v_cache`` buffers of that many positions and
+    ``forward(x, pos)`` writes this step's keys and values at positions ``pos`` with
+    ``index_copy_`` (an in-place input mutation under torch.compile), then attends over the cache.
+    """
+
+    def __init__(self, hidden: int = 128, heads: int = 4, cache_len: int | None = None):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.cache_len = cache_len
+        if cache_len is not None:
+            shape = (1, heads, cache_len, self.head_dim)
+            self.register_buffer("k_cache", torch.zeros(shape))
+            self.register_buffer("v_cache", torch.zeros(shape))
+
+    def attention(self, x: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if pos is None:
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        else:
+            self.k_cache.index_copy_(2, pos, k)
+            self.v_cache.index_copy_(2, pos, v)
+            k, v = self.k_cache, self.v_cache
+            keys = torch.arange(self.cache_len, device=x.device)
+            mask = keys[None, :] <= pos[:, None]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x), pos)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def workloads() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    """The benchmark workloads W1-W3 as (model in eval mode, inputs), seeded."""
+    torch.manual_seed(0)
+    return {
+        "W1 chain200": (OpChain(200).eval(), (torch.randn(1, 64),)),
+        "W2 mlp": (MLP(256, 4).eval(), (torch.randn(1, 256),)),
+        "W3 decoder": (DecoderBlock(128, 4).eval(), (torch.randn(1, 16, 128),)),
+    }

@@ -1,0 +1,76 @@
+"""Shared helpers: compile a callable with fxrt on each loop, check which loop ran, compare."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import fxrt
+import fxrt.compiler
+
+
+def native_available() -> bool:
+    info = getattr(fxrt, "runtime_info", None)
+    return bool(info and info().get("native_available"))
+
+
+EXECUTORS = ["python", "cpp"]
+
+
+@contextlib.contextmanager
+def recording_compiles():
+    """Collect every CompiledGraph fxrt builds inside the block."""
+    built: list[fxrt.CompiledGraph] = []
+    original = fxrt.compiler.compile_graph
+
+    def spy(*args: Any, **kwargs: Any) -> fxrt.CompiledGraph:
+        cg = original(*args, **kwargs)
+        built.append(cg)
+        return cg
+
+    fxrt.compiler.compile_graph = spy
+    try:
+        yield built
+    finally:
+        fxrt.compiler.compile_graph = original
+
+
+def skip_unless_executor(executor: str) -> None:
+    if executor == "cpp" and not native_available():
+        pytest.skip("the compiled loop (fxrt._speedups) is not built")
+
+
+def compile_and_run(fn: Callable, inputs: tuple, executor: str, **compile_kwargs: Any) -> Any:
+    """torch.compile ``fn`` with fxrt on ``executor`` and call it; assert that loop ran."""
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    options = {"pure_python": executor == "python"}
+    with recording_compiles() as built:
+        compiled = torch.compile(fn, backend="fxrt", options=options, **compile_kwargs)
+        out = compiled(*inputs)
+    assert built, "fxrt compiled no graph"
+    assert {cg.executor for cg in built} == {executor}
+    return out
+
+
+def check_against_eager(model: Callable, inputs: tuple, executor: str, **kw: Any) -> Any:
+    """Run a fresh copy of ``model`` eagerly and compiled; outputs and mutated state must match."""
+    eager_model = copy.deepcopy(model)
+    compiled_model = copy.deepcopy(model)
+    eager_inputs = copy.deepcopy(inputs)
+    expected = eager_model(*eager_inputs)
+    got = compile_and_run(compiled_model, inputs, executor, **kw)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(inputs, eager_inputs)  # input mutations match too
+    if isinstance(model, torch.nn.Module):
+        torch.testing.assert_close(compiled_model.state_dict(), eager_model.state_dict())
+    return got
+
+
+@pytest.fixture(params=EXECUTORS)
+def executor(request) -> str:
+    return request.param

@@ -1,0 +1,129 @@
+"""Golden text of converted graphs and lowered programs, and the lifetime plan's numbers."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxrt
+from fxrt.exec.program import Free
+
+
+def compile_fn(fn, *inputs):
+    return fxrt.compile_graph(make_fx(fn)(*inputs), inputs)
+
+
+def golden(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def test_chain_frees_each_intermediate_after_its_last_use():
+    def f(x, w):
+        a = x @ w
+        b = a.relu()
+        c = b.t().sum(0)
+        d = torch.sigmoid(x)
+        return c + d.sum(), d
+
+    cg = compile_fn(f, torch.randn(4, 4), torch.randn(4, 4))
+    assert str(cg.program) == golden("""
+        program(%x_1, %w_1): 9 registers
+             0  CALL   %mm = aten::mm(%x_1, %w_1)
+             1  CALL   %relu = aten::relu(%mm)
+             2  FREE   %mm
+             3  CALL   %t = aten::t(%relu)
+             4  CALL   %sum_1 = aten::sum.dim_IntList(%t, [0])
+             5  FREE   %relu, %t
+             6  CALL   %sigmoid = aten::sigmoid(%x_1)
+             7  CALL   %sum_2 = aten::sum(%sigmoid)
+             8  CALL   %add = aten::add.Tensor(%sum_1, %sum_2)
+             9  FREE   %sum_1, %sum_2
+          return (%add, %sigmoid)
+    """)
+    # 4x4 float32 = 64 bytes: mm and relu are live together (128), then relu + sums, etc.
+    assert cg.plan.peak_bytes == 128
+    assert cg.plan.live_bytes == (64, 128, 64, 80, 80, 84, 100)
+
+
+def test_graph_text_shows_types():
+    def f(x):
+        return torch.ops.aten.split.Tensor(x * 2, 2)
+
+    cg = compile_fn(f, torch.randn(4, 4))
+    assert cg.graph_text() == golden("""
+        graph(%x_1: float32[4, 4]):
+          %mul: float32[4, 4] = aten::mul.Tensor(%x_1, 2)
+          (%split_0: float32[2, 4], %split_1: float32[2, 4]) = aten::split.Tensor(%mul, 2)
+          return [%split_0, %split_1]
+    """)
+
+
+def test_views_of_inputs_and_outputs_are_never_freed():
+    def f(x):
+        a, b = torch.split(x, 2)  # views of the input
+        y = torch.cat([b, a]) * 2
+        return y, y.view(-1)  # y's storage is also an output's
+
+    cg = compile_fn(f, torch.randn(4, 4))
+    assert str(cg.program) == golden("""
+        program(%x_1): 6 registers
+             0  CALL   (%split_0, %split_1) = aten::split.Tensor(%x_1, 2)
+             1  CALL   %cat = aten::cat([%split_1, %split_0])
+             2  CALL   %mul = aten::mul.Tensor(%cat, 2)
+             3  FREE   %cat
+             4  CALL   %view = aten::view(%mul, [-1])
+          return (%mul, %view)
+    """)
+
+
+def test_base_lives_until_its_last_view_is_used():
+    def f(x):
+        y = x + 1
+        v = y.transpose(0, 1)
+        z = x * 3  # y is no longer read directly, but its view v is read below
+        return (v + z).sum()
+
+    cg = compile_fn(f, torch.randn(3, 3))
+    frees = [(pc, ins.regs) for pc, ins in enumerate(cg.program.code) if isinstance(ins, Free)]
+    names = cg.program.reg_names
+    y_free = next(pc for pc, regs in frees if any(names[r] == "add" for r in regs))
+    use_of_v = next(pc for pc, ins in enumerate(cg.program.code)
+                    if not isinstance(ins, Free) and cg.program.nodes[ins.node].name == "add_1")
+    assert y_free > use_of_v
+    torch.testing.assert_close(cg(torch.ones(3, 3)), f(torch.ones(3, 3)))
+
+
+def test_unused_outputs_of_multi_output_ops_are_freed_at_once():
+    def f(x):
+        return torch.ops.aten.max.dim(x, 1)[0] + 1
+
+    cg = compile_fn(f, torch.randn(3, 5))
+    text = str(cg.program)
+    assert "(%max_1_0, %max_1_1) = aten::max.dim(%x_1, 1)" in text
+    assert "FREE   %max_1_1" in text.splitlines()[2]
+
+
+def test_fallbacks_are_listed():
+    def f(x):
+        return x * (x.shape[0] * 2 + 1)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 2))
+    cg = fxrt.compile_graph(gm, None)
+    assert "PYCALL" in str(cg.program)
+    assert cg.program.fallbacks and str(cg.program).splitlines()[-1].startswith("fallbacks: ")
+    torch.testing.assert_close(cg(torch.ones(5, 2)), f(torch.ones(5, 2)))
+
+
+def test_wrong_number_of_inputs_is_a_clear_error():
+    cg = compile_fn(lambda x, y: x + y, torch.randn(2), torch.randn(2))
+    with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
+        cg(torch.randn(2))
+
+
+def test_boxed_and_flat_calls_agree():
+    cg = compile_fn(lambda x, y: (x - y,), torch.randn(2), torch.randn(2))
+    a, b = torch.randn(2), torch.randn(2)
+    torch.testing.assert_close(cg([a, b]), cg(a, b))
