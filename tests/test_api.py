@@ -34,8 +34,11 @@ def test_modes_are_accepted(mode):
 def test_unknown_option_lists_valid_keys():
     torch._dynamo.reset()
     f = torch.compile(lambda x: x * 2, backend="fxrt", options={"no_such_knob": 1})
-    with pytest.raises(Exception, match=r"unknown option\(s\) 'no_such_knob'; valid options: .*"
-                                        r"pure_python"):
+    with pytest.raises(
+        Exception,
+        match=r"unknown option\(s\) 'no_such_knob'; valid options: .*"
+        r"pure_python",
+    ):
         f(torch.ones(3))
 
 

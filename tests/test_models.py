@@ -44,8 +44,11 @@ class WithConstants(nn.Module):
 @pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad", "enabled"])
 def test_mlp(executor, grad_mode):
     model, x = MLP(64, 3).eval(), torch.randn(2, 64)
-    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad,
-           "enabled": torch.enable_grad}[grad_mode]
+    ctx = {
+        "inference_mode": torch.inference_mode,
+        "no_grad": torch.no_grad,
+        "enabled": torch.enable_grad,
+    }[grad_mode]
     with ctx():
         check_against_eager(model, (x,), executor)
 
@@ -85,8 +88,9 @@ def test_decoder_block_kv_cache(executor):
             expected = eager(x, pos)
             if i == 0:
                 got = compile_and_run(compiled_model, (x, pos), executor)
-                compiled = torch.compile(compiled_model, backend="fxrt",
-                                         options={"pure_python": executor == "python"})
+                compiled = torch.compile(
+                    compiled_model, backend="fxrt", options={"pure_python": executor == "python"}
+                )
             else:
                 got = compiled(x, pos)
             torch.testing.assert_close(got, expected)
@@ -177,8 +181,9 @@ def test_autograd_forward_and_backward(executor):
     skip_unless_executor(executor)
     torch._dynamo.reset()
     with recording_compiles() as built:
-        compiled = torch.compile(model, backend="fxrt",
-                                 options={"pure_python": executor == "python"})
+        compiled = torch.compile(
+            model, backend="fxrt", options={"pure_python": executor == "python"}
+        )
         compiled(x).pow(2).sum().backward()
     assert len(built) == 2, "forward and backward graphs both run on fxrt"
     torch.testing.assert_close(x.grad, ref_x.grad)
@@ -195,8 +200,9 @@ def test_dynamic_shapes_one_compile_many_sizes(executor):
     skip_unless_executor(executor)
     torch._dynamo.reset()
     with recording_compiles() as built:
-        compiled = torch.compile(f, backend="fxrt", dynamic=True,
-                                 options={"pure_python": executor == "python"})
+        compiled = torch.compile(
+            f, backend="fxrt", dynamic=True, options={"pure_python": executor == "python"}
+        )
         for n in (2, 3, 5, 9):
             x = torch.randn(n, 3, 4)
             torch.testing.assert_close(compiled(x), f(x))

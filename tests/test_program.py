@@ -90,8 +90,11 @@ def test_base_lives_until_its_last_view_is_used():
     frees = [(pc, ins.regs) for pc, ins in enumerate(cg.program.code) if isinstance(ins, Free)]
     names = cg.program.reg_names
     y_free = next(pc for pc, regs in frees if any(names[r] == "add" for r in regs))
-    use_of_v = next(pc for pc, ins in enumerate(cg.program.code)
-                    if not isinstance(ins, Free) and cg.program.nodes[ins.node].name == "add_1")
+    use_of_v = next(
+        pc
+        for pc, ins in enumerate(cg.program.code)
+        if not isinstance(ins, Free) and cg.program.nodes[ins.node].name == "add_1"
+    )
     assert y_free > use_of_v
     torch.testing.assert_close(cg(torch.ones(3, 3)), f(torch.ones(3, 3)))
 
