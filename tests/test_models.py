@@ -207,3 +207,21 @@ def test_dynamic_shapes_one_compile_many_sizes(executor):
             x = torch.randn(n, 3, 4)
             torch.testing.assert_close(compiled(x), f(x))
     assert len(built) == 1
+
+
+def test_higher_order_cond_runs_as_fallback(executor):
+    def f(x, y):
+        return torch.cond(x.sum() > 0, lambda a: a.sin() * 2, lambda a: a.cos(), (x + y,))
+
+    for sign in (1.0, -1.0):
+        x, y = torch.rand(3) * sign, torch.randn(3)
+        torch.testing.assert_close(compile_and_run(f, (x, y), executor), f(x, y))
+
+
+def test_symint_inputs(executor):
+    def f(x, n):
+        return x.view(n, -1) * n
+
+    x = torch.randn(6, 2)
+    for n in (2, 3):
+        torch.testing.assert_close(compile_and_run(f, (x, n), executor, dynamic=True), f(x, n))

@@ -52,6 +52,10 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         if len(returns) == 1:
             return [aliased_by(returns[0])] * len(node.outputs)
         return [aliased_by(r) for r in returns][: len(node.outputs)]
+    if isinstance(node.op.target, torch._ops.HigherOrderOperator):
+        # AOTAutograd functionalizes higher-order ops and rejects subgraphs whose outputs alias
+        # their inputs, so their results are fresh storages.
+        return [[] for _ in node.outputs]
     tensorish = [
         v for v in node.input_ids() if graph.values[v].kind in (ValueKind.TENSOR, ValueKind.OTHER)
     ]
