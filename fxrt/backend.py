@@ -1,8 +1,16 @@
 """The ``torch.compile`` entry: ``torch.compile(model, backend="fxrt")``.
 
-Dynamo hands over a Torch-level FX graph; AOTAutograd lowers it to ATen (functionalized, input
-mutations kept in the graph as ``copy_``), partitions forward and backward when inputs require grad,
-and both graphs are compiled by fxrt.
+Dynamo hands over a Torch-level FX graph. Two paths lower it to ATen:
+
+* Inference (no input requires grad, or grad mode is off; Dynamo guards on grad mode, so this
+  holds for every call of the graph): fxrt traces the graph to ATen itself with ``make_fx`` on
+  Dynamo's fake inputs, without functionalization. In-place ops and views stay what they are in
+  eager, so input mutation and outputs that alias inputs behave exactly as in eager with no runtime
+  wrapper at all, and the compiled graph is what Dynamo calls. The lifetime planner already
+  understands in-place ops and views.
+* Training (some input requires grad and grad mode is on) and tensor subclasses: AOTAutograd
+  (functionalized, input mutations kept in the graph as ``copy_``) partitions forward and backward,
+  and fxrt compiles both graphs.
 """
 
 from __future__ import annotations
@@ -10,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .compiler import get_compiler
 from .config import CompilerConfig
@@ -34,10 +45,54 @@ def backend(
     Raises:
         ValueError: an unknown option or mode.
     """
-    from torch._dynamo.backends.common import aot_autograd
-
     config = CompilerConfig.from_options(mode, options)
     compiler = get_compiler(config)
+    if is_inference(example_inputs):
+        aten = trace_to_aten(gm, example_inputs)
+        return compiler(aten, example_inputs)
+
+    from torch._dynamo.backends.common import aot_autograd
+
     return aot_autograd(
         fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True
     )(gm, example_inputs)
+
+
+def is_inference(example_inputs: Sequence[Any]) -> bool:
+    """True when no autograd graph can be needed and no input is a tensor subclass."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if any(is_traceable_wrapper_subclass(t) for t in tensors):
+        return False
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def trace_to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
+    """Trace a Dynamo graph to an ATen-level graph (not functionalized) on its fake inputs.
+
+    Node metadata (``stack_trace`` in particular) carries over from ``gm``'s nodes, so errors name
+    the user's source line.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode()
+    context = torch._guards.TracingContext.try_get()
+
+    def fakify(x: Any) -> Any:
+        # Dynamo passes real tensors. Reuse the symbolic context Dynamo gave each one, so its
+        # dynamic sizes keep their symbols and guard sources; a tensor Dynamo never fakified
+        # (a parameter or buffer) gets static shapes, as in AOTAutograd.
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            return x
+        if context is not None and x in context.tensor_to_context:
+            sym_ctx = context.tensor_to_context[x]
+            return fake_mode.from_tensor(
+                x, symbolic_context=sym_ctx, source=sym_ctx.tensor_source, trace=False
+            )
+        return fake_mode.from_tensor(x, static_shapes=True)
+
+    inputs = [fakify(x) for x in example_inputs]
+    interpreter = torch.fx.Interpreter(gm)
+    with fx_traceback.preserve_node_meta(), fake_mode:
+        return make_fx(interpreter.run, tracing_mode="fake", pre_dispatch=False)(*inputs)
