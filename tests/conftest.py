@@ -75,3 +75,20 @@ def check_against_eager(model: Callable, inputs: tuple, executor: str, **kw: Any
 @pytest.fixture(params=EXECUTORS)
 def executor(request) -> str:
     return request.param
+
+
+def _register_hypothesis_profiles() -> None:
+    import os
+
+    from hypothesis import HealthCheck, settings
+
+    common = dict(
+        deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+    )
+    settings.register_profile("ci", max_examples=600, derandomize=True, **common)
+    settings.register_profile("thorough", max_examples=10_000, **common)
+    settings.register_profile("dev", max_examples=50, **common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_register_hypothesis_profiles()

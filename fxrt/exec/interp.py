@@ -39,6 +39,32 @@ def input_refs_of(a: Any) -> bool:
     return isinstance(a, (Ref, list, tuple, dict)) and bool(refs_in(a))
 
 
+def _step(ins: tuple, regs: list[Any]) -> None:
+    """Execute one instruction tuple against the register file."""
+    if ins[0] is _FREE:
+        for r in ins[1]:
+            regs[r] = None
+        return
+    _, fn, tmpl, fills, deep, kw_const, kw_deep, outs, multi, _node = ins
+    a = tmpl.copy()
+    for p, r in fills:
+        a[p] = regs[r]
+    for p, tree in deep:
+        a[p] = map_refs(tree, lambda ref: regs[ref.id])
+    if kw_deep:
+        kw = dict(kw_const)
+        for k, tree in kw_deep:
+            kw[k] = map_refs(tree, lambda ref: regs[ref.id])
+        res = fn(*a, **kw)
+    else:
+        res = fn(*a, **kw_const)
+    if multi:
+        for o, v in zip(outs, res):
+            regs[o] = v
+    else:
+        regs[outs[0]] = res
+
+
 class PythonLoop:
     """Executes a :class:`Program` in Python."""
 
@@ -58,7 +84,8 @@ class PythonLoop:
                 code.append((_FREE, ins.regs))
                 continue
             fn = ins.target._op if isinstance(ins, Call) else ins.target
-            code.append((_CALL, fn, *_arg_loader(ins.args, ins.kwargs), ins.outputs, ins.multi))
+            loaded = _arg_loader(ins.args, ins.kwargs)
+            code.append((_CALL, fn, *loaded, ins.outputs, ins.multi, ins.node))
         self.code = tuple(code)
         out = program.output
         if isinstance(out, (tuple, list)) and all(isinstance(o, Ref) for o in out):
@@ -68,37 +95,37 @@ class PythonLoop:
         else:
             self.build_output = lambda r: map_refs(out, lambda ref: r[ref.id])
 
-    def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
+    def _registers(self, inputs: list[Any] | tuple[Any, ...]) -> list[Any]:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled graph takes {self.n_inputs} inputs, got {len(inputs)}")
         regs = self.template.copy()
         for r, x in zip(self.inputs, inputs):
             regs[r] = x
+        return regs
+
+    def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
+        regs = self._registers(inputs)
         pc = 0
         try:
             for pc, ins in enumerate(self.code):  # noqa: B007 - pc names the failing instruction
-                if ins[0] is _FREE:
-                    for r in ins[1]:
-                        regs[r] = None
-                    continue
-                _, fn, tmpl, fills, deep, kw_const, kw_deep, outs, multi = ins
-                a = tmpl.copy()
-                for p, r in fills:
-                    a[p] = regs[r]
-                for p, tree in deep:
-                    a[p] = map_refs(tree, lambda ref: regs[ref.id])
-                if kw_deep:
-                    kw = dict(kw_const)
-                    for k, tree in kw_deep:
-                        kw[k] = map_refs(tree, lambda ref: regs[ref.id])
-                    res = fn(*a, **kw)
-                else:
-                    res = fn(*a, **kw_const)
-                if multi:
-                    for o, v in zip(outs, res):
-                        regs[o] = v
-                else:
-                    regs[outs[0]] = res
+                _step(ins, regs)
+        except Exception as e:
+            raise self.error(pc, regs, e) from e
+        return self.build_output(regs)
+
+    def run_observed(
+        self, inputs: list[Any] | tuple[Any, ...], after_node: Callable[[int, list[Any]], None]
+    ) -> Any:
+        """Run like ``__call__`` and call ``after_node(node_index, registers)`` right after each
+        node runs, before the FREEs that follow it. The instrumented loop for profiling and
+        memory measurement; ``__call__`` pays nothing for it."""
+        regs = self._registers(inputs)
+        pc = 0
+        try:
+            for pc, ins in enumerate(self.code):  # noqa: B007
+                _step(ins, regs)
+                if ins[0] is _CALL:
+                    after_node(ins[-1], regs)
         except Exception as e:
             raise self.error(pc, regs, e) from e
         return self.build_output(regs)

@@ -26,10 +26,17 @@ def bind_schema_args(schema: torch.FunctionSchema, args: tuple, kwargs: dict) ->
     return bound
 
 
+# Ops whose schema has no alias annotation but whose result shares its first argument's storage.
+# ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a temporary).
+UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view"})
+
+
 def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
     """For each output of ``node``, the ids of the inputs it may alias."""
     if node.op.kind is OpKind.ATEN:
         schema = node.op.schema
+        if node.op.name in UNANNOTATED_VIEWS:
+            return [refs_in(node.args[0])]
         bound = bind_schema_args(schema, node.args, node.kwargs)
         sets_of: list[tuple[frozenset[str], list[int]]] = []
         for a in schema.arguments:
