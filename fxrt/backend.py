@@ -48,8 +48,8 @@ def backend(
     config = CompilerConfig.from_options(mode, options)
     compiler = get_compiler(config)
     if is_inference(example_inputs):
-        aten = trace_to_aten(gm, example_inputs)
-        return compiler(aten, example_inputs)
+        aten, fake_inputs = trace_to_aten(gm, example_inputs)
+        return compiler(aten, fake_inputs)
 
     from torch._dynamo.backends.common import aot_autograd
 
@@ -68,8 +68,11 @@ def is_inference(example_inputs: Sequence[Any]) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
-def trace_to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
-    """Trace a Dynamo graph to an ATen-level graph (not functionalized) on its fake inputs.
+def trace_to_aten(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """Trace a Dynamo graph to an ATen-level graph (not functionalized) on its fake inputs;
+    return it with the fake inputs it was traced on.
 
     Node metadata (``stack_trace`` in particular) carries over from ``gm``'s nodes, so errors name
     the user's source line.
@@ -95,4 +98,5 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> to
     inputs = [fakify(x) for x in example_inputs]
     interpreter = torch.fx.Interpreter(gm)
     with fx_traceback.preserve_node_meta(), fake_mode:
-        return make_fx(interpreter.run, tracing_mode="fake", pre_dispatch=False)(*inputs)
+        aten = make_fx(interpreter.run, tracing_mode="fake", pre_dispatch=False)(*inputs)
+    return aten, inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +13,16 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -38,22 +48,59 @@ class CompilerConfig:
             ``FXRT_PURE_PYTHON`` (off).
         verify: run the IR verifier after conversion and after every pass. Default from
             ``FXRT_VERIFY`` (on).
+        opt_level: which built-in passes run: 0 none, 1 remove_noops +
+            eliminate_common_subexpressions + eliminate_dead_code, 2 also fold_constants first.
+            Default from ``FXRT_OPT_LEVEL`` (2).
+        passes: an explicit, ordered list of built-in pass names; overrides ``opt_level``.
+        fold_max_bytes: the largest result constant folding may create (16 MiB).
+        post_grad_custom_pre_pass: ``fn(gm, example_inputs, config)`` run on the ATen-level FX
+            graph before the built-in passes (TorchAir's interface); edits ``gm`` in place.
+        post_grad_custom_post_pass: the same, after the built-in passes.
+        dump_dir: write each compiled graph's stages here. Default from ``FXRT_DUMP_DIR``.
         mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows; on CPU they
             all run the same program (``reduce-overhead`` is where device-graph capture hooks in).
     """
 
     pure_python: bool = field(default_factory=lambda: env_flag("FXRT_PURE_PYTHON", False))
     verify: bool = field(default_factory=lambda: env_flag("FXRT_VERIFY", True))
+    opt_level: int = field(default_factory=lambda: env_int("FXRT_OPT_LEVEL", 2))
+    passes: list[str] | None = None
+    fold_max_bytes: int = 16 * 1024 * 1024
+    post_grad_custom_pre_pass: Callable[..., Any] | None = None
+    post_grad_custom_post_pass: Callable[..., Any] | None = None
+    dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
     mode: str = "default"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"fxrt: unknown mode {self.mode!r}; valid modes: {', '.join(MODES)}")
         for f in dataclasses.fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+            v = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise ValueError(f"fxrt: option {f.name!r} must be a bool, got {v!r}")
+            if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"fxrt: option {f.name!r} must be an int, got {v!r}")
+            if f.name.endswith("_pass") and v is not None and not callable(v):
+                raise ValueError(f"fxrt: option {f.name!r} must be callable, got {v!r}")
+        from .passes import LEVELS, PASSES
+
+        if self.opt_level not in LEVELS:
+            raise ValueError(
+                f"fxrt: opt_level must be one of {sorted(LEVELS)}, got {self.opt_level!r}"
+            )
+        if self.passes is not None:
+            unknown = [p for p in self.passes if p not in PASSES]
+            if isinstance(self.passes, str) or unknown:
                 raise ValueError(
-                    f"fxrt: option {f.name!r} must be a bool, got {getattr(self, f.name)!r}"
+                    f"fxrt: unknown pass(es) {unknown or self.passes!r}; "
+                    f"valid passes: {', '.join(PASSES)}"
                 )
+
+    def pass_names(self) -> tuple[str, ...]:
+        """The built-in passes to run, in order."""
+        from .passes import LEVELS
+
+        return tuple(self.passes) if self.passes is not None else LEVELS[self.opt_level]
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -49,7 +49,7 @@ def compile_and_run(fn: Callable, inputs: tuple, executor: str, **compile_kwargs
     """torch.compile ``fn`` with fxrt on ``executor`` and call it; assert that loop ran."""
     skip_unless_executor(executor)
     torch._dynamo.reset()
-    options = {"pure_python": executor == "python"}
+    options = {**compile_kwargs.pop("options", {}), "pure_python": executor == "python"}
     with recording_compiles() as built:
         compiled = torch.compile(fn, backend="fxrt", options=options, **compile_kwargs)
         out = compiled(*inputs)

@@ -13,11 +13,13 @@ import torch
 from conftest import native_available
 from graphgen import GeneratedGraph, generated_graphs
 from hypothesis import given, note
+from hypothesis import strategies as st
 
 import fxrt
 from fxrt.exec.memory import measure_live_bytes
 from fxrt.exec.program import Free
 from fxrt.ir import from_fx, graph_to_text, refs_in, verify
+from fxrt.passes import LEVELS, PASSES
 
 LOOPS = ["python", "cpp"] if native_available() else ["python"]
 
@@ -81,7 +83,8 @@ def test_plan_frees_exactly_once_and_never_early(g: GeneratedGraph):
                 assert v not in never, f"FREE of input/output/constant %{v}"
                 assert v not in freed_at, f"%{v} freed twice"
                 freed_at[v] = pc
-    should_free = {v for v in range(len(graph.values)) if v not in plan.pinned}
+    defined = {v for node in graph.nodes for v in node.outputs}
+    should_free = {v for v in defined if v not in plan.pinned}
     assert set(freed_at) == should_free
     assert not (plan.pinned - never) or all(
         plan.alias_root[v] in {plan.alias_root[p] for p in never} for v in plan.pinned
@@ -132,3 +135,24 @@ def check_runtime_aliasing(cg: fxrt.CompiledGraph, inputs: list) -> None:
             assert len(roots) == 1, f"after node {node}: one storage in alias sets {roots}"
 
     cg._loop.run_observed(inputs, after_node)
+
+
+PASS_CHOICES = [[name] for name in PASSES] + [list(LEVELS[2])]
+
+
+@given(generated_graphs(), st.sampled_from(PASS_CHOICES))
+def test_passes_leave_results_unchanged(g: GeneratedGraph, passes: list[str]):
+    note(repr(g))
+    eager_inputs = g.inputs()
+    want = g.gm(*eager_inputs)
+    want_alias = alias_signature(want, eager_inputs)
+    config = fxrt.CompilerConfig(pure_python=True, passes=passes)
+    cg = fxrt.compile_graph(g.gm, None, config)
+    note(str(cg.program))
+    inputs = g.inputs()
+    got = cg(*inputs)
+    assert_same(got, want)
+    assert alias_signature(got, inputs) == want_alias
+    assert_same(tuple(inputs), tuple(eager_inputs))
+    if cg.plan.exact:
+        assert measure_live_bytes(cg.program, g.inputs()) == list(cg.plan.live_bytes)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..ir.graph import Graph, refs_in
 from ..ops.aliasing import output_aliases
 
@@ -57,6 +59,10 @@ def plan_lifetimes(graph: Graph) -> Plan:
     uf = _UnionFind(n)
     last = [-1] * n
     roots: set[int] = set()
+    by_storage: dict[int, int] = {}  # constants that share a storage (a folded view) share a set
+    for vid, obj in graph.constants.items():
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.numel():
+            uf.union(vid, by_storage.setdefault(obj.untyped_storage().data_ptr(), vid))
     for i, node in enumerate(graph.nodes):
         for vid in node.input_ids():
             last[vid] = i

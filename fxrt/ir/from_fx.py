@@ -84,6 +84,28 @@ def _sequence_length(node: torch.fx.Node) -> int | None:
     return None
 
 
+def _copied_instead_of_aliasing(node: torch.fx.Node, op: Op) -> bool:
+    """For an op whose schema lets its result alias an input but which is free to copy instead
+    (a CompositeImplicitAutograd op such as ``reshape``), whether the traced result is a copy."""
+    if op.kind is not OpKind.ATEN or node.op != "call_function":
+        return False
+    ret = op.target._schema.returns
+    if len(ret) != 1 or ret[0].alias_info is None or ret[0].alias_info.is_write:
+        return False
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.target.name(), "CompositeImplicitAutograd"
+    ):
+        return False
+    out = _example(node)
+    ins = [_example(a) for a in node.all_input_nodes]
+    if not isinstance(out, torch.Tensor) or not all(isinstance(x, torch.Tensor) for x in ins):
+        return False
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    mine = StorageWeakRef(out.untyped_storage())
+    return all(StorageWeakRef(x.untyped_storage()) != mine for x in ins)
+
+
 class _Converter:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | None):
         self.gm = gm
@@ -92,8 +114,11 @@ class _Converter:
         self.env: dict[torch.fx.Node, Any] = {}  # FX node -> Ref, or list of Refs for sequences
         self.n_placeholders = 0
 
-    def value_for(self, name: str, ex: Any) -> int:
+    def value_for(self, name: str, ex: Any, node: torch.fx.Node | None = None) -> int:
         g = self.graph
+        known = node.meta.get("fxrt_value") if node is not None and ex is None else None
+        if known is not None:  # a node to_fx made: keep what fxrt knew about it
+            return g.add_value(name, known.kind, known.meta, known.expr)
         if isinstance(ex, torch.Tensor):
             return g.add_value(name, ValueKind.TENSOR, tensor_meta(ex))
         if isinstance(ex, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -124,7 +149,7 @@ class _Converter:
         if ex is None and self.examples is not None and self.n_placeholders < len(self.examples):
             ex = self.examples[self.n_placeholders]
         self.n_placeholders += 1
-        vid = self.value_for(node.name, ex)
+        vid = self.value_for(node.name, ex, node)
         self.graph.inputs.append(vid)
         self.env[node] = Ref(vid)
 
@@ -162,11 +187,14 @@ class _Converter:
         ex = _example(node)
         n = _sequence_length(node)
         if n is None:
-            outputs = [self.value_for(node.name, ex)]
+            outputs = [self.value_for(node.name, ex, node)]
             self.env[node] = Ref(outputs[0])
         else:
             items = ex if isinstance(ex, (list, tuple)) and len(ex) == n else [None] * n
-            outputs = [self.value_for(f"{node.name}_{i}", x) for i, x in enumerate(items)]
+            getitems = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+            outputs = [
+                self.value_for(f"{node.name}_{i}", x, getitems.get(i)) for i, x in enumerate(items)
+            ]
             self.env[node] = [Ref(v) for v in outputs]
         self.graph.nodes.append(
             Node(
@@ -177,6 +205,7 @@ class _Converter:
                 outputs,
                 multi=n is not None,
                 stack_trace=node.meta.get("stack_trace"),
+                copies=_copied_instead_of_aliasing(node, op),
             )
         )
 

@@ -104,7 +104,8 @@ def callable_name(fn: Any) -> str:
 @dataclass(slots=True)
 class Node:
     """One operation. ``outputs`` are the ids it defines; ``multi`` says the op returns a sequence
-    whose elements are unpacked into ``outputs`` (one element each)."""
+    whose elements are unpacked into ``outputs`` (one element each); ``copies`` is explained
+    below."""
 
     name: str
     op: Op
@@ -113,6 +114,9 @@ class Node:
     outputs: list[int]
     multi: bool = False
     stack_trace: str | None = None
+    # The schema says the result may alias an input, but the op copied when traced (``reshape``
+    # of a tensor no view can express, ``contiguous`` of a strided one): the result is fresh.
+    copies: bool = False
 
     def input_ids(self) -> list[int]:
         return refs_in((self.args, self.kwargs))

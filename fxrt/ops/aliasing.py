@@ -35,6 +35,8 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
     """For each output of ``node``, the ids of the inputs it may alias."""
     if node.op.kind is OpKind.ATEN:
         schema = node.op.schema
+        if node.copies:
+            return [[] for _ in node.outputs]
         if node.op.name in UNANNOTATED_VIEWS:
             return [refs_in(node.args[0])]
         bound = bind_schema_args(schema, node.args, node.kwargs)

@@ -1,0 +1,73 @@
+"""Facts passes share: uses of each value, which alias sets are ever written, which ops are pure."""
+
+from __future__ import annotations
+
+import torch
+
+from ..exec.plan import plan_lifetimes
+from ..ir.graph import Graph, Node, OpKind, refs_in
+from ..ops.aliasing import bind_schema_args
+
+
+def is_pure(node: Node) -> bool:
+    """An ATen op that writes nothing, draws no random numbers and has no other side effect."""
+    if node.op.kind is not OpKind.ATEN:
+        return False
+    target = node.op.target
+    if target._schema.is_mutable:
+        return False
+    tags = set(getattr(target, "tags", ()))
+    return not (tags & {torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
+
+
+def has_side_effects(node: Node) -> bool:
+    """Must run even if nothing reads its outputs."""
+    if node.op.kind is not OpKind.ATEN:
+        return True  # opaque Python
+    target = node.op.target
+    if target._schema.is_mutable or "assert" in node.op.name or "print" in node.op.name:
+        return True
+    return torch.Tag.nondeterministic_seeded in set(getattr(target, "tags", ()))
+
+
+def written_values(node: Node) -> list[int]:
+    """Ids of the inputs ``node`` may write: ``(a!)`` arguments, or everything for Python."""
+    if node.op.kind is not OpKind.ATEN:
+        return node.input_ids()
+    schema = node.op.target._schema
+    bound = bind_schema_args(schema, node.args, node.kwargs)
+    return [
+        v
+        for a in schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write and a.name in bound
+        for v in refs_in(bound[a.name])
+    ]
+
+
+def mutated_alias_roots(graph: Graph) -> set[int]:
+    """Alias-set representatives (``Plan.alias_root``) of every storage some node writes."""
+    root = plan_lifetimes(graph).alias_root
+    return {root[v] for node in graph.nodes for v in written_values(node)}
+
+
+def alias_roots(graph: Graph) -> tuple[int, ...]:
+    return plan_lifetimes(graph).alias_root
+
+
+def output_alias_roots(graph: Graph, root: tuple[int, ...]) -> set[int]:
+    """Alias sets the caller receives: a pass must not make them share storage with anything
+    new, or a caller's write to an output would reach another value."""
+    return {root[v] for v in refs_in(graph.output)}
+
+
+def replace_uses(graph: Graph, mapping: dict[int, int]) -> None:
+    """Rewrite every read of ``old`` into a read of ``mapping[old]`` (nodes and output)."""
+    from ..ir.graph import Ref, map_refs
+
+    def sub(r: Ref) -> Ref:
+        return Ref(mapping.get(r.id, r.id))
+
+    for node in graph.nodes:
+        node.args = map_refs(node.args, sub)
+        node.kwargs = map_refs(node.kwargs, sub)
+    graph.output = map_refs(graph.output, sub)

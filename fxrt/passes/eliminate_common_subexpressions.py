@@ -1,0 +1,62 @@
+"""Common-subexpression elimination over pure ATen ops.
+
+Two nodes with the same op and the same arguments compute the same values, so the second is
+dropped and its readers read the first. Only pure ops qualify (no writes, no randomness), and
+only when no node ever writes the storage of their inputs or outputs: after a write, two equal
+expressions no longer hold equal values (and merging two fresh results would make a later
+in-place op on one visible through the other). A node whose result the caller receives is never
+dropped: two outputs of the graph must not become one tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ir.graph import Graph, Ref, map_refs
+from .analysis import (
+    alias_roots,
+    is_pure,
+    mutated_alias_roots,
+    output_alias_roots,
+    replace_uses,
+)
+
+
+def _key(x: Any) -> Any:
+    """A hashable form of an argument tree (lists become tuples, floats keep their type)."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_key(y) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return ("slice", _key(x.start), _key(x.stop), _key(x.step))
+    try:
+        hash(x)
+    except TypeError:
+        return ("id", id(x))  # unhashable constant: only equal to itself
+    return (type(x).__name__, x)
+
+
+def eliminate_common_subexpressions(graph: Graph) -> Graph:
+    mutated = mutated_alias_roots(graph)
+    root = alias_roots(graph)
+    returned = output_alias_roots(graph, root)
+    seen: dict[Any, list[int]] = {}
+    mapping: dict[int, int] = {}
+    kept = []
+    for node in graph.nodes:
+        node.args = map_refs(node.args, lambda r: Ref(mapping.get(r.id, r.id)))
+        node.kwargs = map_refs(node.kwargs, lambda r: Ref(mapping.get(r.id, r.id)))
+        touched = [*node.input_ids(), *node.outputs]
+        if not is_pure(node) or any(root[v] in mutated for v in touched):
+            kept.append(node)
+            continue
+        key = (node.op.name, _key(node.args), _key(node.kwargs))
+        if key in seen and not any(root[v] in returned for v in node.outputs):
+            mapping.update(zip(node.outputs, seen[key]))
+            continue
+        seen.setdefault(key, node.outputs)
+        kept.append(node)
+    graph.nodes = kept
+    replace_uses(graph, mapping)
+    return graph

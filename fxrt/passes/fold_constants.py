@@ -1,0 +1,66 @@
+"""Constant folding: run, at compile time, pure ops whose inputs are all constants.
+
+The results become constants the graph owns. Constants some node writes (a buffer updated in
+place) are never folded through, since their value changes from call to call. A result larger
+than ``max_bytes`` is not folded, so folding never blows up memory (an ``expand`` of a constant
+materialised by a later op, say). Results the caller receives (or views of them) are not folded:
+each call must return a new tensor, as eager does, not one shared constant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ir.from_fx import tensor_meta
+from ..ir.graph import Graph, ValueKind, map_refs
+from .analysis import alias_roots, is_pure, mutated_alias_roots, output_alias_roots
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.untyped_storage().nbytes() if x.layout == torch.strided else 0
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def fold_constants(graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES) -> Graph:
+    mutated = mutated_alias_roots(graph)
+    root = alias_roots(graph)
+    returned = output_alias_roots(graph, root)
+    known = {v: c for v, c in graph.constants.items() if root[v] not in mutated}
+    kept = []
+    for node in graph.nodes:
+        ins = node.input_ids()
+        if (
+            not is_pure(node)
+            or not ins
+            or not all(v in known for v in ins)
+            or any(root[v] in mutated or root[v] in returned for v in node.outputs)
+        ):
+            kept.append(node)
+            continue
+        args = map_refs(node.args, lambda r: known[r.id])
+        kwargs = map_refs(node.kwargs, lambda r: known[r.id])
+        try:
+            with torch.no_grad():
+                result = node.op.target(*args, **kwargs)
+        except Exception:  # leave it to fail (or not) at run time, with the usual error
+            kept.append(node)
+            continue
+        values = list(result) if node.multi else [result]
+        if _nbytes(values) > max_bytes:
+            kept.append(node)
+            continue
+        for vid, val in zip(node.outputs, values):
+            known[vid] = val
+            graph.constants[vid] = val
+            old = graph.values[vid]
+            if isinstance(val, torch.Tensor):
+                graph.values[vid] = type(old)(vid, old.name, ValueKind.TENSOR, tensor_meta(val))
+    graph.nodes = kept
+    return graph

@@ -1,0 +1,57 @@
+"""Remove ops that do nothing, by letting their readers read the input instead.
+
+* views to the same shape and strides (``view``, ``reshape``, ``_unsafe_view``, ``alias``,
+  ``expand`` to its own shape, ``contiguous`` of a contiguous tensor);
+* copies that change nothing (``clone``, ``_to_copy`` to the same dtype, device and strides).
+
+Only where no node ever writes the input's or the result's storage (so no reader can tell the two
+apart, in-place metadata changes included), and the result is not (a view of) a graph output: the
+caller must get a new tensor or view, as in eager, never the input itself.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import Graph
+from .analysis import alias_roots, mutated_alias_roots, output_alias_roots, replace_uses
+
+VIEW_NOOPS = frozenset(
+    {
+        "aten::view",
+        "aten::reshape",
+        "aten::_unsafe_view",
+        "aten::alias",
+        "aten::expand",
+        "aten::contiguous",
+    }
+)
+COPY_NOOPS = frozenset({"aten::clone", "aten::_to_copy"})
+
+
+def remove_noops(graph: Graph) -> Graph:
+    mutated = mutated_alias_roots(graph)
+    root = alias_roots(graph)
+    returned = output_alias_roots(graph, root)
+    mapping: dict[int, int] = {}
+    kept = []
+    for node in graph.nodes:
+        name = node.op.name
+        src = node.args[0] if node.args else None
+        if (name in VIEW_NOOPS or name in COPY_NOOPS) and hasattr(src, "id") and not node.multi:
+            inp, out = mapping.get(src.id, src.id), node.outputs[0]
+            a, b = graph.values[inp].meta, graph.values[out].meta
+            same = (
+                a is not None
+                and b is not None
+                and a.is_static
+                and (
+                    (a.shape, a.stride, a.dtype, a.device) == (b.shape, b.stride, b.dtype, b.device)
+                )
+            )
+            written = root[inp] in mutated or root[out] in mutated
+            if same and not written and root[out] not in returned:
+                mapping[out] = inp
+                continue
+        kept.append(node)
+    graph.nodes = kept
+    replace_uses(graph, mapping)
+    return graph
