@@ -46,16 +46,42 @@ def backend(
         ValueError: an unknown option or mode.
     """
     config = CompilerConfig.from_options(mode, options)
-    compiler = get_compiler(config)
     if is_inference(example_inputs):
-        aten, fake_inputs = trace_to_aten(gm, example_inputs)
-        return compiler(aten, fake_inputs)
+        return _compile_inference(gm, example_inputs, config)
 
     from torch._dynamo.backends.common import aot_autograd
 
+    compiler = get_compiler(config)
     return aot_autograd(
         fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True
     )(gm, example_inputs)
+
+
+def _compile_inference(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompilerConfig
+) -> Callable[..., Any]:
+    """Trace to ATen and compile, through the cache keyed on Dynamo's graph itself (so a hit
+    skips the ATen trace too).
+
+    Only graphs with static shapes are cached: tracing a graph with symbolic sizes may add
+    guards to Dynamo's shape environment, and a cache hit, which skips that trace, would lose them.
+    """
+    from .compiler import _compile, cached_compile
+    from .ir import ValueKind, from_fx
+
+    key_graph = from_fx(gm, example_inputs)
+    static = all(
+        v.kind is not ValueKind.SYM and (v.meta is None or v.meta.is_static)
+        for v in key_graph.values
+    )
+
+    def build() -> Any:
+        aten, fake_inputs = trace_to_aten(gm, example_inputs)
+        return _compile(aten, fake_inputs, config)
+
+    if not static:
+        return build()
+    return cached_compile(key_graph, example_inputs, config, build)
 
 
 def is_inference(example_inputs: Sequence[Any]) -> bool:

@@ -7,11 +7,18 @@ from typing import Any
 
 import torch.fx
 
+from . import cache
 from .config import CompilerConfig
+from .dump import Dumper
 from .exec.interp import PythonLoop
+from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program, lower
 from .ir import Graph, from_fx, graph_to_text, verify
+from .ir.to_fx import to_fx
+from .passes import PassRecord, run_passes
+from .passes.user import run_user_pass
+from .serialize import SerializationError, dump_graph, load_graph
 
 
 class CompiledGraph:
@@ -27,6 +34,7 @@ class CompiledGraph:
         plan: the lifetime plan (FREE positions, predicted peak bytes).
         program: the flat Program both loops run; ``print(cg.program)`` lists it.
         executor: the name of the loop that runs it: ``"python"`` or ``"cpp"``.
+        pass_records: one ``PassRecord(name, seconds, changed)`` per built-in pass that ran.
     """
 
     def __init__(self, graph: Graph, plan: Plan, program: Program, config: CompilerConfig):
@@ -37,13 +45,43 @@ class CompiledGraph:
         self.plan = plan
         self.program = program
         self.config = config
-        self._loop = PythonLoop(program)
+        if config.pure_python or not native_available():
+            self._loop: PythonLoop | NativeLoop = PythonLoop(program)
+        else:
+            self._loop = NativeLoop(program)
         self.executor: str = self._loop.name
+        self.pass_records: list[PassRecord] = []
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 1 and type(args[0]) is list:
             return self._loop(args[0])
         return self._loop(args)
+
+    def dump_artifacts(self) -> bytes:
+        """A self-contained, data-only artifact: the IR, the plan, the constants the graph owns,
+        and the fxrt and torch versions. :meth:`load_artifacts` rebuilds the graph from it.
+
+        Raises:
+            SerializationError: the graph holds something the format cannot name (a higher-order
+                op with Python subgraphs, an arbitrary Python callable).
+        """
+        return dump_graph(self.graph, self.plan, self.pass_records)
+
+    @classmethod
+    def load_artifacts(cls, artifact: bytes, config: CompilerConfig | None = None) -> CompiledGraph:
+        """Rebuild a runnable graph from :meth:`dump_artifacts` bytes without compiling; loads
+        data only (``torch.load(weights_only=True)``), never code.
+
+        Raises:
+            SerializationError: not an fxrt artifact, corrupt, or made by another fxrt/torch.
+        """
+        graph, plan, records = load_graph(artifact)
+        cg = cls(graph, plan, lower(graph, plan), config or CompilerConfig())
+        cg.pass_records = records
+        return cg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_load_pickled, (self.dump_artifacts(),))
 
     def graph_text(self) -> str:
         return graph_to_text(self.graph)
@@ -53,6 +91,39 @@ class CompiledGraph:
             f"CompiledGraph({len(self.graph.nodes)} nodes, {len(self.program.code)} "
             f"instructions, executor={self.executor!r})"
         )
+
+
+def _load_pickled(artifact: bytes) -> CompiledGraph:
+    return CompiledGraph.load_artifacts(artifact)
+
+
+def cached_compile(
+    key_graph: Graph,
+    example_inputs: Sequence[Any] | None,
+    config: CompilerConfig,
+    build: Callable[[], CompiledGraph],
+) -> CompiledGraph:
+    """``build()``, or the on-disk cache's entry for ``key_graph`` when there is one."""
+    if not config.cache:
+        return build()
+    key = cache.cache_key(
+        graph_to_text(key_graph), example_inputs or (), list(key_graph.constants.values()), config
+    )
+    store = cache.DiskCache(cache.cache_dir(config.cache_dir))
+    hit = store.get(key, lambda data: CompiledGraph.load_artifacts(data, config))
+    if hit is not None:
+        cache.stats["hit"] += 1
+        return hit
+    cache.stats["miss"] += 1
+    cg = build()
+    try:
+        data = cg.dump_artifacts()
+    except SerializationError:
+        cache.stats["unserializable"] += 1  # e.g. a higher-order op: compiled, just not stored
+        return cg
+    store.put(key, data)
+    cache.stats["stored"] += 1
+    return cg
 
 
 def compile_graph(
@@ -72,11 +143,63 @@ def compile_graph(
     """
     config = config or CompilerConfig()
     graph = from_fx(gm, example_inputs)
+    return cached_compile(
+        graph, example_inputs, config, lambda: _compile(gm, example_inputs, config, graph)
+    )
+
+
+def _compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any] | None,
+    config: CompilerConfig,
+    graph: Graph | None = None,
+) -> CompiledGraph:
+    """The pipeline: [user pre pass] -> IR -> passes -> [user post pass] -> plan -> lower."""
+    cache.stats["compiled"] += 1
+    dump = Dumper(config.dump_dir) if config.dump_dir else None
+    if dump:
+        dump.fx("input_fx.txt", gm)
+    if config.post_grad_custom_pre_pass is not None:
+        gm = run_user_pass(
+            config.post_grad_custom_pre_pass,
+            "post_grad_custom_pre_pass",
+            gm,
+            example_inputs,
+            config,
+        )
+        if dump:
+            dump.fx("after_pre_pass_fx.txt", gm)
+    if graph is None or config.post_grad_custom_pre_pass is not None:
+        graph = from_fx(gm, example_inputs)
     if config.verify:
         verify(graph)
+    graph, records = run_passes(
+        graph,
+        config.pass_names(),
+        check=config.verify,
+        fold_max_bytes=config.fold_max_bytes,
+        on_pass=(lambda name, g: dump.ir(f"after_{name}.txt", g)) if dump else None,
+    )
+    if config.post_grad_custom_post_pass is not None:
+        post = run_user_pass(
+            config.post_grad_custom_post_pass,
+            "post_grad_custom_post_pass",
+            to_fx(graph),
+            example_inputs,
+            config,
+        )
+        if dump:
+            dump.fx("after_post_pass_fx.txt", post)
+        graph = from_fx(post, example_inputs)
+        if config.verify:
+            verify(graph)
     plan = plan_lifetimes(graph)
     program = lower(graph, plan)
-    return CompiledGraph(graph, plan, program, config)
+    if dump:
+        dump.final(graph, program)
+    cg = CompiledGraph(graph, plan, program, config)
+    cg.pass_records = records
+    return cg
 
 
 def get_compiler(

@@ -57,6 +57,9 @@ class CompilerConfig:
             graph before the built-in passes (TorchAir's interface); edits ``gm`` in place.
         post_grad_custom_post_pass: the same, after the built-in passes.
         dump_dir: write each compiled graph's stages here. Default from ``FXRT_DUMP_DIR``.
+        cache: use the on-disk compile cache. Default from ``FXRT_CACHE`` (on).
+        cache_dir: where the cache lives. Default from ``FXRT_CACHE_DIR``, else
+            ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``.
         mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows; on CPU they
             all run the same program (``reduce-overhead`` is where device-graph capture hooks in).
     """
@@ -69,6 +72,8 @@ class CompilerConfig:
     post_grad_custom_pre_pass: Callable[..., Any] | None = None
     post_grad_custom_post_pass: Callable[..., Any] | None = None
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
+    cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
+    cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     mode: str = "default"
 
     def __post_init__(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,9 @@ import torch
 
 import fxrt
 import fxrt.compiler
+
+# Tests never read or write the user's compile cache.
+os.environ.setdefault("FXRT_CACHE_DIR", tempfile.mkdtemp(prefix="fxrt-test-cache-"))
 
 
 def native_available() -> bool:
