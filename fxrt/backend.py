@@ -103,6 +103,7 @@ def trace_to_aten(
     Node metadata (``stack_trace`` in particular) carries over from ``gm``'s nodes, so errors name
     the user's source line.
     """
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode()
@@ -121,8 +122,39 @@ def trace_to_aten(
             )
         return fake_mode.from_tensor(x, static_shapes=True)
 
-    inputs = [fakify(x) for x in example_inputs]
+    # Prefer the fakes Dynamo itself traced with (placeholder metadata): they carry its symbols
+    # and memos, e.g. the SymFloat behind a scalar tensor Dynamo reads with .item().
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dynamo_fakes = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    inputs = [
+        f if isinstance(f, FakeTensor) and f.fake_mode is fake_mode else fakify(x)
+        for f, x in zip(dynamo_fakes, example_inputs)
+    ]
+    _specialize_float_inputs(dynamo_fakes)
     interpreter = torch.fx.Interpreter(gm)
-    with fx_traceback.preserve_node_meta(), fake_mode:
+    # The Python dispatcher, as in AOTAutograd: symbolic-size-aware decompositions and metas.
+    with fx_traceback.preserve_node_meta(), fake_mode, enable_python_dispatcher():
         aten = make_fx(interpreter.run, tracing_mode="fake", pre_dispatch=False)(*inputs)
     return aten, inputs
+
+
+def _specialize_float_inputs(dynamo_fakes: Sequence[Any]) -> None:
+    """Ask Dynamo to restart with float inputs specialized.
+
+    Under ``dynamic=True`` Dynamo turns Python floats (LayerNorm's ``eps``) into scalar tensors
+    read back with ``.item()``; AOTAutograd rewrites those reads into tensor arithmetic and asks
+    Dynamo to specialize the ones it cannot. fxrt specializes them all: Dynamo then bakes each
+    float in as a constant, guarded, and restarts the analysis.
+    """
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    restart = False
+    for fake in dynamo_fakes:
+        memo = getattr(fake, "item_memo", None)
+        name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+        if name is not None and not TensorifyState.should_specialize(name):
+            TensorifyState.specialize(name)
+            restart = True
+    if restart:
+        raise TensorifyScalarRestartAnalysis

@@ -93,6 +93,53 @@ class DecoderBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class KVCacheDecoder(nn.Module):
+    """A small decoder-only transformer whose KV cache is passed in and updated in place.
+
+    ``forward(x, k_cache, v_cache, pos)``: ``x`` is (batch, seq, hidden); the caches are
+    (layers, batch, heads, max_len, head_dim); ``pos`` holds the ``seq`` positions being written.
+    Each layer writes its keys and values into its slice of the caches with ``index_copy_`` and
+    attends causally over everything up to each position. Batch and sequence length may vary from
+    call to call (``dynamic=True``).
+    """
+
+    def __init__(self, hidden: int = 32, heads: int = 2, layers: int = 2, vocab: int = 50):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(hidden),
+                    "qkv": nn.Linear(hidden, 3 * hidden),
+                    "proj": nn.Linear(hidden, hidden),
+                    "ln2": nn.LayerNorm(hidden),
+                    "fc1": nn.Linear(hidden, 2 * hidden),
+                    "fc2": nn.Linear(2 * hidden, hidden),
+                }
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x, k_cache, v_cache, pos):
+        b, s, h = x.shape
+        keys = torch.arange(k_cache.shape[3], device=x.device)
+        mask = keys[None, :] <= pos[:, None]  # (seq, max_len): causal over the cache
+        for i, blk in enumerate(self.blocks):
+            q, k, v = blk["qkv"](blk["ln1"](x)).split(h, dim=-1)
+            q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            k_cache[i].index_copy_(2, pos, k)
+            v_cache[i].index_copy_(2, pos, v)
+            att = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, s, h))
+            x = x + blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x))))
+        return self.head(x)
+
+    def empty_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (len(self.blocks), batch, self.heads, max_len, self.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+
 def workloads() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]]:
     """The benchmark workloads W1-W3 as (model in eval mode, inputs), seeded."""
     torch.manual_seed(0)

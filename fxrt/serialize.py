@@ -154,6 +154,7 @@ def dump_graph(graph: Graph, plan: Plan, records: Sequence[Any] = ()) -> bytes:
             "live_bytes": plan.live_bytes,
             "peak_bytes": plan.peak_bytes,
             "exact": plan.exact,
+            "symbolic": plan.symbolic,
         },
     }
     buf = io.BytesIO()
@@ -280,6 +281,7 @@ def _rebuild(doc: dict, tensors: dict[str, torch.Tensor]) -> tuple[Graph, Plan, 
         live_bytes=tuple(p["live_bytes"]),
         peak_bytes=int(p["peak_bytes"]),
         exact=bool(p["exact"]),
+        symbolic=bool(p["symbolic"]),
     )
     from .passes import PassRecord
 

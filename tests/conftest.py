@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import fxrt
-import fxrt.compiler
 
 # Tests never read or write the user's compile cache.
 os.environ.setdefault("FXRT_CACHE_DIR", tempfile.mkdtemp(prefix="fxrt-test-cache-"))
@@ -29,20 +28,19 @@ EXECUTORS = ["python", "cpp"]
 
 @contextlib.contextmanager
 def recording_compiles():
-    """Collect every CompiledGraph fxrt builds inside the block."""
+    """Collect every CompiledGraph fxrt builds (or loads from its cache) inside the block."""
     built: list[fxrt.CompiledGraph] = []
-    original = fxrt.compiler.compile_graph
+    original = fxrt.CompiledGraph.__init__
 
-    def spy(*args: Any, **kwargs: Any) -> fxrt.CompiledGraph:
-        cg = original(*args, **kwargs)
-        built.append(cg)
-        return cg
+    def spy(self: fxrt.CompiledGraph, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
 
-    fxrt.compiler.compile_graph = spy
+    fxrt.CompiledGraph.__init__ = spy
     try:
         yield built
     finally:
-        fxrt.compiler.compile_graph = original
+        fxrt.CompiledGraph.__init__ = original
 
 
 def skip_unless_executor(executor: str) -> None:

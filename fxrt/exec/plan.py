@@ -10,16 +10,20 @@
    never frees any of their registers.
 4. Predicted live bytes: each node output that aliases none of the node's inputs is a fresh
    storage (a "root") and is counted, with its storage size, from the node that makes it until its
-   set is freed. Inputs and constants are not counted; outputs are, and never leave.
+   set is freed. Inputs and constants are not counted; outputs are, and never leave. With symbolic
+   sizes the counts are sympy expressions in the size symbols, evaluated per call with
+   :meth:`Plan.live_bytes_for` and :func:`bind_sizes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import sympy
 import torch
 
-from ..ir.graph import Graph, refs_in
+from ..ir.graph import Graph, ValueKind, refs_in
 from ..ops.aliasing import output_aliases
 
 
@@ -32,9 +36,26 @@ class Plan:
     pinned: frozenset[int]  # value ids never freed (aliases of inputs, constants, outputs)
     frees: tuple[tuple[int, ...], ...]  # per node index: value ids released right after it
     roots: frozenset[int]  # value ids that are fresh storages
-    live_bytes: tuple[int, ...]  # per node index: bytes live right after it ran, before its FREEs
-    peak_bytes: int  # max of live_bytes (0 for an empty graph)
-    exact: bool  # False when some fresh storage has no static size (symbolic shapes, no meta)
+    # Per node index: bytes live right after it ran, before its FREEs. An int, or with symbolic
+    # sizes a sympy expression in the size symbols (evaluate it with ``live_bytes_for``).
+    live_bytes: tuple[int | str, ...]
+    peak_bytes: int  # max of the static entries of live_bytes (0 for an empty graph)
+    exact: bool  # False when some fresh storage has an unknown size (no metadata)
+    symbolic: bool = False  # some entry of live_bytes is an expression
+
+    def live_bytes_for(self, bindings: dict[str, int]) -> list[int]:
+        """``live_bytes`` with every size symbol bound (``{"s0": 16, ...}``)."""
+        out = []
+        for x in self.live_bytes:
+            if isinstance(x, int):
+                out.append(x)
+                continue
+            expr = sympy.sympify(x)
+            expr = expr.subs({s: bindings[s.name] for s in expr.free_symbols if s.name in bindings})
+            if expr.free_symbols:
+                raise ValueError(f"unbound size symbols {sorted(map(str, expr.free_symbols))}")
+            out.append(int(expr))
+        return out
 
 
 class _UnionFind:
@@ -91,25 +112,30 @@ def plan_lifetimes(graph: Graph) -> Plan:
         free_at[root] = end
 
     exact = True
-    born: list[int] = [0] * len(graph.nodes)
-    died: list[int] = [0] * len(graph.nodes)
+    born: list[Any] = [0] * len(graph.nodes)
+    died: list[Any] = [0] * len(graph.nodes)
     for i, node in enumerate(graph.nodes):
         for vid in node.outputs:
-            if vid not in roots:
+            if vid not in roots or graph.values[vid].kind is not ValueKind.TENSOR:
                 continue
             meta = graph.values[vid].meta
-            size = meta.storage_nbytes if meta is not None else 0
+            size: Any = meta.storage_nbytes if meta is not None else None
             if size is None:
                 exact, size = False, 0
+            elif isinstance(size, str):
+                size = sympy.sympify(size)
             born[i] += size
             end = free_at.get(uf.find(vid))
             if end is not None:
                 died[end] += size
-    live, now = [], 0
+    live: list[Any] = []
+    now: Any = 0
     for i in range(len(graph.nodes)):
         now += born[i]
         live.append(now)
         now -= died[i]
+    symbolic = any(not isinstance(x, int) for x in live)
+    peak = max((x for x in live if isinstance(x, int)), default=0)
 
     return Plan(
         last_use=tuple(last),
@@ -117,7 +143,23 @@ def plan_lifetimes(graph: Graph) -> Plan:
         pinned=pinned,
         frees=tuple(tuple(f) for f in frees),
         roots=frozenset(roots),
-        live_bytes=tuple(live),
-        peak_bytes=max(live, default=0),
+        live_bytes=tuple(int(x) if isinstance(x, int) else str(sympy.expand(x)) for x in live),
+        peak_bytes=peak,
         exact=exact,
+        symbolic=symbolic,
     )
+
+
+def bind_sizes(graph: Graph, inputs: list[Any] | tuple[Any, ...]) -> dict[str, int]:
+    """Values of the size symbols, read off the actual inputs: a tensor dimension printed as a
+    bare symbol (``s0``) and a SymInt input whose expression is a bare symbol bind it."""
+    bindings: dict[str, int] = {}
+    for vid, x in zip(graph.inputs, inputs):
+        v = graph.values[vid]
+        if v.meta is not None and isinstance(x, torch.Tensor):
+            for dim, actual in zip(v.meta.shape, x.shape):
+                if isinstance(dim, str) and dim.isidentifier():
+                    bindings[dim] = int(actual)
+        elif v.kind is ValueKind.SYM and v.expr and v.expr.isidentifier():
+            bindings[v.expr] = int(x)
+    return bindings

@@ -35,8 +35,8 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
         return tuple(int(x) if _is_static_int(x) else str(x) for x in xs)
 
     try:
-        nbytes = t.untyped_storage().nbytes()
-        nbytes = int(nbytes) if _is_static_int(nbytes) else None
+        raw = t.untyped_storage().nbytes()
+        nbytes: int | str | None = int(raw) if _is_static_int(raw) else str(raw)
     except Exception:  # sparse, nested, or storage-less tensor subclasses
         nbytes = None
     return TensorMeta(

@@ -26,7 +26,9 @@ class TensorMeta:
     stride: tuple[int | str, ...]
     dtype: torch.dtype
     device: str
-    storage_nbytes: int | None = None  # bytes of the storage the tensor lives in, when static
+    # Bytes of the storage the tensor lives in: an int, or a sympy expression in the size symbols
+    # (``"4*s0*s1"``) when sizes are symbolic; None when unknown.
+    storage_nbytes: int | str | None = None
 
     @property
     def is_static(self) -> bool:
