@@ -127,7 +127,7 @@ def test_loops_agree_with_eager(g: GeneratedGraph):
 def check_runtime_aliasing(cg: fxrt.CompiledGraph, inputs: list) -> None:
     """Live values that share a storage at run time must be in one alias set of the plan."""
 
-    def after_node(node: int, regs: list) -> None:
+    def after_node(node: int, regs: list, _t0: int, _t1: int) -> None:
         roots_of: dict[int, set[int]] = {}
         for v, x in enumerate(regs):
             st = storage_of(x)

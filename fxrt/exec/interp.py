@@ -8,8 +8,11 @@ loop itself does no analysis.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from ..errors import node_error
 from ..ir.graph import Ref, map_refs, refs_in
@@ -114,21 +117,46 @@ class PythonLoop:
         return self.build_output(regs)
 
     def run_observed(
-        self, inputs: list[Any] | tuple[Any, ...], after_node: Callable[[int, list[Any]], None]
+        self,
+        inputs: list[Any] | tuple[Any, ...],
+        after_node: Callable[[int, list[Any], int, int], None],
+        names: tuple[str, ...] | None = None,
     ) -> Any:
-        """Run like ``__call__`` and call ``after_node(node_index, registers)`` right after each
-        node runs, before the FREEs that follow it. The instrumented loop for profiling and
-        memory measurement; ``__call__`` pays nothing for it."""
+        """Run like ``__call__``, calling ``after_node(node_index, registers, start_ns, end_ns)``
+        right after each node runs (before the FREEs that follow it). With ``names`` (one per
+        node), each node also runs inside a ``torch.profiler.record_function`` range of its name.
+
+        The instrumented loop for profiling and memory measurement: ``__call__`` pays nothing for
+        it."""
         regs = self._registers(inputs)
+        clock = time.perf_counter_ns
         pc = 0
         try:
             for pc, ins in enumerate(self.code):  # noqa: B007
-                _step(ins, regs)
-                if ins[0] is _CALL:
-                    after_node(ins[-1], regs)
+                if ins[0] is not _CALL:
+                    _step(ins, regs)
+                    continue
+                if names is not None:
+                    with torch.profiler.record_function(names[ins[-1]]):
+                        t0 = clock()
+                        _step(ins, regs)
+                        t1 = clock()
+                else:
+                    t0 = clock()
+                    _step(ins, regs)
+                    t1 = clock()
+                after_node(ins[-1], regs, t0, t1)
         except Exception as e:
             raise self.error(pc, regs, e) from e
         return self.build_output(regs)
+
+    def run_timed(
+        self, inputs: list[Any] | tuple[Any, ...], names: tuple[str, ...] | None = None
+    ) -> tuple[Any, list[tuple[int, int, int]]]:
+        """Run once; also return ``(node_index, start_ns, end_ns)`` for every node run."""
+        timings: list[tuple[int, int, int]] = []
+        out = self.run_observed(inputs, lambda i, _r, a, b: timings.append((i, a, b)), names)
+        return out, timings
 
     def error(self, pc: int, regs: list[Any], exc: BaseException) -> Exception:
         ins = self.program.code[pc]
