@@ -15,8 +15,8 @@ import sys
 import warnings
 
 import torch
-from overhead import measure
 
+from fxrt.bench import measure
 from fxrt.models import KVCacheDecoder
 
 LENGTHS = [1, 3, 7, 12, 16, 24, 31, 40, 48, 64]

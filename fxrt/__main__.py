@@ -1,4 +1,4 @@
-"""Command line: ``python -m fxrt demo`` and ``python -m fxrt cache {list,info,clear}``."""
+"""Command line: ``python -m fxrt {demo, bench, cache}``."""
 
 from __future__ import annotations
 
@@ -33,9 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxrt", description="fxrt command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="compile a small transformer block and compare with eager")
+    sub.add_parser("bench", help="W1-W3 host-overhead benchmark", add_help=False)
     c = sub.add_parser("cache", help="inspect or empty the compile cache")
     c.add_argument("action", choices=["list", "info", "clear"])
     c.add_argument("--dir", help="cache directory (default: FXRT_CACHE_DIR or ~/.cache/fxrt)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench
+
+        return bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo
