@@ -1,3 +1,78 @@
-from setuptools import setup
+"""Build script. fxrt is pure Python plus one optional extension, ``fxrt._speedups._loop``: Cython
+in C++ mode compiled against the torch that is installed, since the compiled loop calls torch's
+C++ dispatcher. Build it with ``pip install --no-build-isolation -e .`` (the build needs that
+torch, so it cannot run in an isolated build environment); ``FXRT_BUILD_EXT=0`` skips it, and
+fxrt then runs its pure-Python loop.
 
-setup()
+The extension records ``torch.__version__`` (macro FXRT_TORCH_VERSION) so that fxrt can refuse
+it under another torch, and gets an rpath to torch's lib directory so it imports without
+LD_LIBRARY_PATH.
+"""
+
+import os
+from glob import glob
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+_FALSE = {"0", "false", "no", "off"}
+
+
+class BuildExtReplacing(build_ext):
+    """build_ext that replaces the in-place extension file instead of rewriting it: a process that
+    has the old one loaded keeps a valid mapping (rewriting a loaded .so can crash it, SIGBUS)."""
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        tmp = f"{outfile}.{os.getpid()}.tmp"
+        _, copied = super().copy_file(infile, tmp, *args, **kwargs)
+        if os.path.exists(tmp):
+            os.replace(tmp, outfile)
+        return outfile, copied
+
+
+def build_requested() -> bool:
+    return os.environ.get("FXRT_BUILD_EXT", "1").strip().lower() not in _FALSE
+
+
+def extensions() -> list:
+    if not build_requested():
+        return []
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        raise RuntimeError(
+            "fxrt's C++ extension is compiled against the installed torch, which this build "
+            "cannot import. Install with `pip install --no-build-isolation .` in an environment "
+            "that has torch, or set FXRT_BUILD_EXT=0 to install the pure-Python runtime."
+        ) from e
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    lib_dirs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    ext = Extension(
+        "fxrt._speedups._loop",
+        sources=["fxrt/_speedups/_loop.pyx"],
+        depends=glob("fxrt/_speedups/*.h"),
+        include_dirs=["fxrt/_speedups", *cpp_extension.include_paths()],
+        library_dirs=lib_dirs,
+        runtime_library_dirs=lib_dirs,
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        define_macros=[
+            ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
+            ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+        ],
+        extra_compile_args=[
+            "-std=c++20",
+            "-O2",
+            "-g0",
+            "-fvisibility=hidden",
+            "-Wno-unused-function",
+        ],
+        language="c++",
+    )
+    return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExtReplacing})

@@ -11,6 +11,8 @@ from .backend import backend
 from .compiler import CompiledGraph, compile_graph, get_compiler
 from .config import CompilerConfig
 from .errors import ExecutionError
+from .profiler import Profile, profile
+from .runtime import runtime_info
 
 __version__ = "0.1.0"
 
@@ -18,8 +20,11 @@ __all__ = [
     "CompiledGraph",
     "CompilerConfig",
     "ExecutionError",
+    "Profile",
     "backend",
     "compile_graph",
     "get_compiler",
+    "profile",
+    "runtime_info",
     "__version__",
 ]

@@ -1,0 +1,286 @@
+// The compiled loop: runs an fxrt Program (fxrt/exec/program.py) on a register file of
+// c10::IValue, with the same semantics as the Python loop (fxrt/exec/interp.py).
+//
+// The Executor is built once, instruction by instruction in program order (so an instruction's
+// index is the same as in the Program): CALLs bound natively (call.h), PYCALLs that call back into
+// Python, FREEs. It is immutable afterwards, so any number of threads may run it at once.
+//
+// run() makes a fresh register file per call, preloads the Program's constants, converts the
+// inputs, and walks the instructions with one reused stack: a CALL calls callBoxed, a PYCALL
+// converts its registers to Python objects, calls the callable and converts the result back, a
+// FREE resets registers. The GIL is released around runs of native instructions, as torch.ops
+// does around each op, and taken back for fallbacks, slow-path conversions, errors and the
+// outputs. Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error -> RuntimeError and
+// friends, C++ warnings -> Python warnings); on failure the register file and the failing
+// instruction go back to the caller, which builds the ExecutionError the Python loop raises.
+
+#pragma once
+
+#include "call.h"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#ifndef FXRT_TORCH_VERSION
+#error "FXRT_TORCH_VERSION (torch.__version__ at build time) must be defined; build with setup.py"
+#endif
+
+namespace fxrt {
+
+using Registers = std::vector<IValue>;
+
+struct PyCallOp {
+  py::object fn;
+  std::vector<Tree> args;
+  py::object const_kwargs;  // a dict of the constant kwargs, or None when there are none
+  std::vector<std::pair<py::object, Tree>> kwargs;  // kwargs that read registers
+  std::vector<int64_t> outputs;
+  bool multi = false;
+};
+
+struct Instr {
+  enum Kind : uint8_t { CALL, PYCALL, FREE };
+  Kind kind;
+  size_t index;  // into calls_, pycalls_ or frees_
+};
+
+// Filled by run() when an instruction fails: what the caller needs to name the failing node.
+struct Failure {
+  int64_t pc = -1;
+  Registers regs;
+};
+
+class Executor {
+ public:
+  Executor(PyObject* ref_type, int64_t n_regs, bool release_gil)
+      : refs_(ref_type), template_(static_cast<size_t>(n_regs)), release_gil_(release_gil) {}
+
+  void set_inputs(const std::vector<int64_t>& regs) { inputs_ = regs; }
+
+  void set_constant(int64_t reg, PyObject* value) {
+    template_.at(static_cast<size_t>(reg)) = from_python(value);
+  }
+
+  void set_output(PyObject* tree) { output_.emplace(tree, refs_); }
+
+  void add_free(const std::vector<int64_t>& regs) {
+    code_.push_back({Instr::FREE, frees_.size()});
+    frees_.push_back(regs);
+  }
+
+  // Bind a CALL natively; false (nothing added) when it cannot be (see bind_call).
+  bool add_call(
+      PyObject* name,
+      PyObject* overload,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      bool multi) {
+    std::optional<CallOp> call = bind_call(
+        py::cast<std::string>(name), py::cast<std::string>(overload), args, kwargs, outputs, multi,
+        refs_);
+    if (!call.has_value()) {
+      return false;
+    }
+    max_stack_ = std::max({max_stack_, call->slots.size(), call->n_returns});
+    code_.push_back({Instr::CALL, calls_.size()});
+    calls_.push_back(std::move(*call));
+    return true;
+  }
+
+  void add_pycall(
+      PyObject* fn,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      bool multi) {
+    PyCallOp call;
+    call.fn = py::reinterpret_borrow<py::object>(fn);
+    call.outputs = outputs;
+    call.multi = multi;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+      PyObject* arg = PyTuple_GET_ITEM(args, i);
+      call.args.push_back(refs_.contains_ref(arg) ? Tree(arg, refs_) : Tree::constant(arg));
+    }
+    py::object consts = steal_or_throw(PyDict_New());
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+      if (refs_.contains_ref(value)) {
+        call.kwargs.emplace_back(py::reinterpret_borrow<py::object>(key), Tree(value, refs_));
+      } else if (PyDict_SetItem(consts.ptr(), key, value) < 0) {
+        throw_python_error();
+      }
+    }
+    call.const_kwargs = PyDict_GET_SIZE(consts.ptr()) > 0 ? consts : py::none();
+    code_.push_back({Instr::PYCALL, pycalls_.size()});
+    pycalls_.push_back(std::move(call));
+  }
+
+  // Run the program on `inputs` (a list or tuple). Returns the output (a new reference), or
+  // nullptr with a Python error set; `failure` then names the instruction when one failed.
+  PyObject* run(PyObject* inputs, Failure& failure) const {
+    HANDLE_TH_ERRORS
+    return run_checked(inputs, failure);
+    END_HANDLE_TH_ERRORS
+  }
+
+ private:
+  PyObject* run_checked(PyObject* inputs, Failure& failure) const {
+    py::object seq =
+        steal_or_throw(PySequence_Fast(inputs, "compiled graph inputs must be a list or tuple"));
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    if (static_cast<size_t>(n) != inputs_.size()) {
+      PyErr_Format(
+          PyExc_TypeError,
+          "compiled graph takes %zu inputs, got %zd",
+          inputs_.size(),
+          n);
+      throw_python_error();
+    }
+    Registers regs(template_);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      regs[static_cast<size_t>(inputs_[i])] = from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
+    }
+    Stack stack;
+    stack.reserve(max_stack_);
+    GilState gil(release_gil_);
+    size_t pc = 0;
+    try {
+      for (; pc < code_.size(); ++pc) {
+        const Instr& ins = code_[pc];
+        switch (ins.kind) {
+          case Instr::CALL:
+            gil.release();
+            run_call(calls_[ins.index], regs, stack, gil);
+            break;
+          case Instr::PYCALL:
+            gil.acquire();
+            run_pycall(pycalls_[ins.index], regs);
+            break;
+          case Instr::FREE:
+            for (int64_t r : frees_[ins.index]) {
+              regs[static_cast<size_t>(r)] = IValue();
+            }
+            break;
+        }
+      }
+    } catch (...) {
+      gil.acquire();
+      stack.clear();
+      failure.pc = static_cast<int64_t>(pc);
+      failure.regs = std::move(regs);
+      throw;
+    }
+    gil.acquire();
+    return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
+  }
+
+  void run_pycall(const PyCallOp& call, Registers& regs) const {
+    py::object args = steal_or_throw(PyTuple_New(static_cast<Py_ssize_t>(call.args.size())));
+    for (size_t i = 0; i < call.args.size(); ++i) {
+      PyTuple_SET_ITEM(args.ptr(), i, call.args[i].build(regs).release().ptr());
+    }
+    py::object kwargs = call.const_kwargs;
+    if (!call.kwargs.empty()) {
+      kwargs = steal_or_throw(kwargs.is_none() ? PyDict_New() : PyDict_Copy(kwargs.ptr()));
+      for (const auto& [key, tree] : call.kwargs) {
+        if (PyDict_SetItem(kwargs.ptr(), key.ptr(), tree.build(regs).ptr()) < 0) {
+          throw_python_error();
+        }
+      }
+    }
+    py::object result = steal_or_throw(
+        PyObject_Call(call.fn.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr()));
+    if (!call.multi) {
+      regs[static_cast<size_t>(call.outputs[0])] = from_python(result.ptr());
+      return;
+    }
+    py::object it = steal_or_throw(PyObject_GetIter(result.ptr()));
+    for (int64_t out : call.outputs) {
+      PyObject* item = PyIter_Next(it.ptr());
+      if (item == nullptr) {
+        if (PyErr_Occurred()) {
+          throw_python_error();
+        }
+        break;
+      }
+      regs[static_cast<size_t>(out)] = from_python(item);
+      Py_DECREF(item);
+    }
+  }
+
+  RefReader refs_;
+  Registers template_;
+  bool release_gil_;
+  std::vector<int64_t> inputs_;
+  std::optional<Tree> output_;
+  std::vector<Instr> code_;
+  std::vector<CallOp> calls_;
+  std::vector<PyCallOp> pycalls_;
+  std::vector<std::vector<int64_t>> frees_;
+  size_t max_stack_ = 0;
+};
+
+// Whether torch.ops would route this call's ops through __torch_function__: 0 no, 1 yes (a
+// TorchFunctionMode is active), 2 maybe (an input is a tensor subclass, which may override it;
+// torch._C._has_torch_function decides). The compiled loop calls ops below that layer, so the
+// caller runs such calls on the Python loop instead.
+inline int torch_function_state(PyObject* inputs) {
+  if (at::impl::torch_function_mode_enabled()) {
+    return 1;
+  }
+  if (PyList_Check(inputs) || PyTuple_Check(inputs)) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(inputs); ++i) {
+      PyObject* x = PySequence_Fast_GET_ITEM(inputs, i);
+      if (!THPVariable_CheckExact(x) && THPVariable_Check(x)) {
+        return 2;
+      }
+    }
+  }
+  return 0;
+}
+
+// The registers of a failed run as a Python list (None where one cannot be converted), for the
+// error message.
+inline PyObject* failure_registers(Failure& failure) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(failure.regs.size()));
+  if (list == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < failure.regs.size(); ++i) {
+    PyObject* obj = nullptr;
+    try {
+      obj = to_python(failure.regs[i]);
+    } catch (...) {
+      obj = nullptr;
+    }
+    if (obj == nullptr) {
+      PyErr_Clear();
+      Py_INCREF(Py_None);
+      obj = Py_None;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), obj);
+  }
+  failure.regs.clear();
+  return list;
+}
+
+// Cython's handler for C++ exceptions thrown while an Executor is built: torch's own translation
+// (python_error restored, c10::Error -> RuntimeError, ...). Called inside a catch block.
+inline void set_python_error() {
+  torch::translate_exception_to_python(std::current_exception());
+}
+
+// The torch version this extension was compiled against.
+inline const char* built_torch_version() {
+  return FXRT_TORCH_VERSION;
+}
+
+}  // namespace fxrt
