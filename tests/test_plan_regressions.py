@@ -91,3 +91,24 @@ def test_folded_view_of_constant_shares_its_alias_set():
             cg.plan.alias_root[v]
         )
     assert all(len(roots) == 1 for roots in by_storage.values())
+
+
+def test_refs_inside_slices_are_read_and_kept_alive():
+    """``x[:n]`` at Dynamo level puts a register inside a ``slice``: it was neither substituted
+    nor counted as a use."""
+    import operator
+
+    g = torch.fx.Graph()
+    x, n = g.placeholder("x"), g.placeholder("n")
+    m = g.call_function(operator.add, (n, 1))
+    g.output(g.call_function(operator.getitem, (x, slice(None, m))))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    for loop in LOOPS:
+        cfg = fxrt.CompilerConfig(pure_python=loop == "python", cache=False)
+        cg = fxrt.compile_graph(gm, [torch.arange(6.0), 2], cfg)
+        torch.testing.assert_close(cg(torch.arange(6.0), 2), torch.arange(3.0))
+        add = next(node for node in cg.graph.nodes if node.op.name == "operator.add")
+        getitem = cg.graph.nodes.index(
+            next(node for node in cg.graph.nodes if node.op.name == "operator.getitem")
+        )
+        assert cg.plan.last_use[add.outputs[0]] == getitem

@@ -12,6 +12,7 @@ builds the exception the Python loop would raise, and a call that torch.ops woul
 
 from libc.stdint cimport int64_t
 from libcpp cimport bool as cbool
+from libcpp.string cimport string
 from libcpp.vector cimport vector
 
 from torch._C import _has_torch_function
@@ -47,6 +48,8 @@ cdef extern from "loop.h":
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
         object run(object inputs, Failure& failure)
+        object run_timed(object inputs, Failure& failure, vector[int64_t]& timings, cbool ranges)
+        void set_names(const vector[string]& names) except +set_python_error
 
 
 TORCH_VERSION = built_torch_version().decode()
@@ -100,6 +103,25 @@ cdef class Executor:
     def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
         """Add a call of a Python callable."""
         self._impl().add_pycall(fn, args, kwargs, outputs, multi)
+
+    def set_names(self, names):
+        """Node names per instruction (program order), for torch.profiler ranges."""
+        self._impl().set_names([n.encode() for n in names])
+
+    def run_timed(self, inputs, cbool ranges=False):
+        """Run once through the instrumented loop; return ``(output, timings)`` where timings is
+        a flat list of ``pc, start_ns, end_ns`` for every CALL and PYCALL."""
+        cdef Failure failure
+        cdef vector[int64_t] timings
+        cdef CExecutor* impl = self._impl()
+        try:
+            out = impl.run_timed(inputs, failure, timings, ranges)
+        except Exception as exc:
+            if failure.pc < 0:
+                raise
+            regs = failure_registers(failure)
+            raise self._execution_error(failure.pc, regs, exc) from exc
+        return out, timings
 
     def _execution_error(self, pc, regs, exc):
         """The exception to raise, from ``exc``, when instruction ``pc`` failed; ``regs`` is the

@@ -177,10 +177,15 @@ class RefReader {
     return value;
   }
 
-  // True if a Ref occurs in a nest of tuples, lists and dict values (fxrt.ir.graph.refs_in).
+  // True if a Ref occurs in a nest of tuples, lists, slices and dict values
+  // (fxrt.ir.graph.refs_in).
   bool contains_ref(PyObject* tree) const {
     if (is_ref(tree)) {
       return true;
+    }
+    if (PySlice_Check(tree)) {
+      auto* sl = reinterpret_cast<PySliceObject*>(tree);
+      return contains_ref(sl->start) || contains_ref(sl->stop) || contains_ref(sl->step);
     }
     if (PyTuple_Check(tree) || PyList_Check(tree)) {
       Py_ssize_t n = PySequence_Fast_GET_SIZE(tree);
@@ -212,7 +217,7 @@ inline py::object steal_or_throw(PyObject* obj) {
   return py::reinterpret_steal<py::object>(obj);
 }
 
-// A nest of tuples, lists and dicts with registers and constants at its leaves, resolved once:
+// A nest of tuples, lists, slices and dicts with registers and constants at its leaves, resolved once:
 // build() is fxrt.ir.graph.map_refs with every Ref replaced by its register. As in map_refs,
 // tuples, lists and dicts come back as new plain tuple/list/dict objects on every call and any
 // other object is passed through as it is.
@@ -228,6 +233,12 @@ class Tree {
       items_.reserve(static_cast<size_t>(n));
       for (Py_ssize_t i = 0; i < n; ++i) {
         items_.emplace_back(PySequence_Fast_GET_ITEM(obj, i), refs);
+      }
+    } else if (PySlice_Check(obj)) {
+      kind_ = SLICE;
+      auto* sl = reinterpret_cast<PySliceObject*>(obj);
+      for (PyObject* part : {sl->start, sl->stop, sl->step}) {
+        items_.emplace_back(part, refs);
       }
     } else if (PyDict_Check(obj)) {
       kind_ = DICT;
@@ -271,6 +282,9 @@ class Tree {
         }
         return out;
       }
+      case SLICE:
+        return steal_or_throw(PySlice_New(
+            items_[0].build(regs).ptr(), items_[1].build(regs).ptr(), items_[2].build(regs).ptr()));
       case DICT: {
         py::object out = steal_or_throw(PyDict_New());
         for (size_t i = 0; i < items_.size(); ++i) {
@@ -287,7 +301,7 @@ class Tree {
  private:
   Tree() = default;
 
-  enum Kind : uint8_t { REG, CONST, TUPLE, LIST, DICT };
+  enum Kind : uint8_t { REG, CONST, TUPLE, LIST, SLICE, DICT };
   Kind kind_ = CONST;
   int64_t reg_ = -1;
   py::object obj_;

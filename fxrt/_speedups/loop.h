@@ -19,8 +19,10 @@
 #include "call.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -123,16 +125,41 @@ class Executor {
     pycalls_.push_back(std::move(call));
   }
 
+  // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
+  void set_names(const std::vector<std::string>& names) { names_ = names; }
+
   // Run the program on `inputs` (a list or tuple). Returns the output (a new reference), or
   // nullptr with a Python error set; `failure` then names the instruction when one failed.
   PyObject* run(PyObject* inputs, Failure& failure) const {
     HANDLE_TH_ERRORS
-    return run_checked(inputs, failure);
+    return run_checked<false>(inputs, failure, nullptr, false);
+    END_HANDLE_TH_ERRORS
+  }
+
+  // The instrumented loop, for fxrt.profile(): like run(), and appends pc, start and end (ns,
+  // CLOCK_MONOTONIC like Python's perf_counter_ns) of every CALL and PYCALL to `timings`. With
+  // `ranges`, each runs inside an at::RecordFunction named after its node, so torch.profiler
+  // shows it. A separate instantiation: run() pays nothing for it.
+  PyObject* run_timed(
+      PyObject* inputs, Failure& failure, std::vector<int64_t>& timings, bool ranges) const {
+    HANDLE_TH_ERRORS
+    return run_checked<true>(inputs, failure, &timings, ranges);
     END_HANDLE_TH_ERRORS
   }
 
  private:
-  PyObject* run_checked(PyObject* inputs, Failure& failure) const {
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  template <bool Timed>
+  PyObject* run_checked(
+      PyObject* inputs,
+      Failure& failure,
+      std::vector<int64_t>* timings,
+      bool ranges) const {
     py::object seq =
         steal_or_throw(PySequence_Fast(inputs, "compiled graph inputs must be a list or tuple"));
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
@@ -155,20 +182,24 @@ class Executor {
     try {
       for (; pc < code_.size(); ++pc) {
         const Instr& ins = code_[pc];
-        switch (ins.kind) {
-          case Instr::CALL:
-            gil.release();
-            run_call(calls_[ins.index], regs, stack, gil);
-            break;
-          case Instr::PYCALL:
-            gil.acquire();
-            run_pycall(pycalls_[ins.index], regs);
-            break;
-          case Instr::FREE:
-            for (int64_t r : frees_[ins.index]) {
-              regs[static_cast<size_t>(r)] = IValue();
+        if constexpr (Timed) {
+          if (ins.kind == Instr::FREE) {
+            step(ins, regs, stack, gil);
+            continue;
+          }
+          std::optional<at::RecordFunction> range;
+          if (ranges && pc < names_.size()) {
+            range.emplace(at::RecordScope::USER_SCOPE);
+            if (range->isActive()) {
+              range->before(std::string_view(names_[pc]), c10::ArrayRef<const IValue>{});
             }
-            break;
+          }
+          int64_t t0 = now_ns();
+          step(ins, regs, stack, gil);
+          int64_t t1 = now_ns();
+          timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
+        } else {
+          step(ins, regs, stack, gil);
         }
       }
     } catch (...) {
@@ -180,6 +211,24 @@ class Executor {
     }
     gil.acquire();
     return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
+  }
+
+  void step(const Instr& ins, Registers& regs, Stack& stack, GilState& gil) const {
+    switch (ins.kind) {
+      case Instr::CALL:
+        gil.release();
+        run_call(calls_[ins.index], regs, stack, gil);
+        break;
+      case Instr::PYCALL:
+        gil.acquire();
+        run_pycall(pycalls_[ins.index], regs);
+        break;
+      case Instr::FREE:
+        for (int64_t r : frees_[ins.index]) {
+          regs[static_cast<size_t>(r)] = IValue();
+        }
+        break;
+    }
   }
 
   void run_pycall(const PyCallOp& call, Registers& regs) const {
@@ -225,6 +274,7 @@ class Executor {
   std::vector<CallOp> calls_;
   std::vector<PyCallOp> pycalls_;
   std::vector<std::vector<int64_t>> frees_;
+  std::vector<std::string> names_;
   size_t max_stack_ = 0;
 };
 

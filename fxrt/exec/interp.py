@@ -39,7 +39,7 @@ def _arg_loader(args: tuple, kwargs: dict) -> tuple:
 
 
 def input_refs_of(a: Any) -> bool:
-    return isinstance(a, (Ref, list, tuple, dict)) and bool(refs_in(a))
+    return isinstance(a, (Ref, list, tuple, dict, slice)) and bool(refs_in(a))
 
 
 def _step(ins: tuple, regs: list[Any]) -> None:

@@ -153,6 +153,10 @@ class NativeLoop(_Executor):
                 self.add_pycall(fn, args, kwargs, list(ins.outputs), ins.multi)
                 python_calls.append(ins.node)
         self.set_output(program.output)
+        self.set_names(
+            [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
+        )
+        self._node_of_pc = tuple(-1 if isinstance(i, Free) else i.node for i in program.code)
         self._python_calls = tuple(python_calls)
         self._python_loop: PythonLoop | None = None
 
@@ -172,6 +176,16 @@ class NativeLoop(_Executor):
         """Names of the nodes this loop runs through Python (the Program's fallbacks, and ATen
         calls the dispatcher cannot run natively)."""
         return tuple(self.program.nodes[i].name for i in self._python_calls)
+
+    def run_timed(  # type: ignore[override]
+        self, inputs: list[Any] | tuple[Any, ...], names: tuple[str, ...] | None = None
+    ) -> tuple[Any, list[tuple[int, int, int]]]:
+        """Run once through the compiled loop's instrumented variant; also return
+        ``(node_index, start_ns, end_ns)`` for every node run (same contract as
+        :meth:`PythonLoop.run_timed`; ``names`` given means torch.profiler ranges are wanted)."""
+        out, flat = super().run_timed(inputs, names is not None)
+        nodes = self._node_of_pc
+        return out, [(nodes[flat[i]], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def _execution_error(self, pc: int, regs: list[Any], exc: BaseException) -> BaseException:
         return _execution_error(self.program, pc, regs, exc)

@@ -146,7 +146,7 @@ class Graph:
 
 
 def refs_in(tree: Any) -> list[int]:
-    """Ids of every Ref in a nested structure of tuples, lists and dicts, in order."""
+    """Ids of every Ref in a nested structure of tuples, lists, slices and dicts, in order."""
     found: list[int] = []
 
     def walk(x: Any) -> None:
@@ -157,6 +157,9 @@ def refs_in(tree: Any) -> list[int]:
                 walk(y)
         elif isinstance(x, dict):
             for y in x.values():
+                walk(y)
+        elif isinstance(x, slice):
+            for y in (x.start, x.stop, x.step):
                 walk(y)
 
     walk(tree)
@@ -173,4 +176,6 @@ def map_refs(tree: Any, fn) -> Any:
         return [map_refs(x, fn) for x in tree]
     if isinstance(tree, dict):
         return {k: map_refs(v, fn) for k, v in tree.items()}
+    if isinstance(tree, slice):
+        return slice(map_refs(tree.start, fn), map_refs(tree.stop, fn), map_refs(tree.step, fn))
     return tree
