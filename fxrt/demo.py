@@ -1,15 +1,21 @@
-"""``python -m fxrt demo``: compile a small transformer block with fxrt and compare with eager."""
+"""``python -m fxrt demo``: a small transformer block through fxrt, next to eager PyTorch.
+
+Shows the compiled program (with its FREEs), the latency against eager / aot_eager / inductor,
+where fxrt's time goes (``fxrt.profile()``), and the planned memory with a plot.
+"""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import warnings
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
-from fxrt.compiler import CompiledGraph
+from fxrt.exec.memory import memory_report
 from fxrt.models import DecoderBlock
 
 
@@ -32,38 +38,46 @@ def main() -> int:
     model = DecoderBlock(hidden=128, heads=4).eval()
     x = torch.randn(1, 16, 128)
 
-    built: list[CompiledGraph] = []
-    import fxrt.compiler as compiler
-
-    original = compiler.compile_graph
-    compiler.compile_graph = lambda *a, **k: built.append(original(*a, **k)) or built[-1]
-    try:
-        with torch.inference_mode():
-            fx_model = torch.compile(model, backend="fxrt")
-            out = fx_model(x)
-    finally:
-        compiler.compile_graph = original
-
-    cg = built[0]
-    print("== fxrt program of a transformer decoder block (seq 16, hidden 128, 4 heads) ==")
-    print(cg.program)
-    print(f"\nexecutor: {cg.executor}; predicted peak of intermediates: {cg.plan.peak_bytes} bytes")
-
     with torch.inference_mode():
-        torch.testing.assert_close(out, model(x))
+        expected = model(x)
+        # The graph without Dynamo: parameters become constants the program owns.
+        cg = fxrt.compile_graph(make_fx(model)(x), [x])
+        torch.testing.assert_close(cg(x), expected)
+        print("== fxrt program of a transformer decoder block (seq 16, hidden 128, 4 heads) ==")
+        print(cg.program)
+
         contenders = {
             "eager": model,
             "aot_eager": torch.compile(model, backend="aot_eager"),
             "inductor": torch.compile(model, backend="inductor"),
-            "fxrt": fx_model,
+            "fxrt": torch.compile(model, backend="fxrt"),
+            f"fxrt loop ({cg.executor}, no Dynamo)": cg,
         }
         print("\n== latency per call (median of 15 rounds x 50 calls, one thread) ==")
         times = {}
         for name, fn in contenders.items():
-            torch.testing.assert_close(fn(x), out, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(fn(x), expected, rtol=1e-4, atol=1e-4)
             times[name] = _median_us(fn, (x,))
-        print(f"{'backend':<12}{'µs/call':>10}{'vs eager':>10}")
+        width = max(map(len, times))
+        print(f"{'backend':<{width}}  {'µs/call':>9}  {'vs eager':>8}")
         for name, us in times.items():
-            print(f"{name:<12}{us:>10.1f}{us / times['eager']:>9.2f}x")
-    print("\n(outputs of every backend equal eager's; fxrt runtime:", fxrt.__version__, ")")
+            print(f"{name:<{width}}  {us:>9.1f}  {us / times['eager']:>7.2f}x")
+
+        print("\n== where fxrt's time goes (fxrt.profile(), 20 calls) ==")
+        with fxrt.profile() as prof:
+            for _ in range(20):
+                cg(x)
+        print(prof.table(top=10))
+
+        report = memory_report(cg, [x])
+    print(f"\n== memory: planned peak {report.peak_bytes} B after node {report.peak_node} ==")
+    print(f"(measured on a replay: {max(report.measured)} B) made of:")
+    for value, nbytes in report.peak_values[:5]:
+        print(f"  %{value}: {nbytes} B")
+    try:
+        path = report.plot(os.path.abspath("fxrt-demo-memory.png"))
+        print(f"memory plot written to {path}")
+    except ImportError as e:
+        print(f"(no memory plot: {e})")
+    print(f"\nevery backend's output equals eager's; {fxrt.runtime_info()['reason']}")
     return 0
