@@ -11,6 +11,7 @@ from .backend import backend
 from .compiler import CompiledGraph, compile_graph, get_compiler
 from .config import CompilerConfig
 from .errors import ExecutionError
+from .ops.kernels import load_kernel_library, register_kernel, unregister_kernel
 from .profiler import Profile, profile
 from .runtime import runtime_info
 
@@ -25,6 +26,9 @@ __all__ = [
     "compile_graph",
     "get_compiler",
     "profile",
+    "load_kernel_library",
+    "register_kernel",
     "runtime_info",
+    "unregister_kernel",
     "__version__",
 ]

@@ -76,10 +76,12 @@ def _config_text(config: Any) -> str:
 def cache_key(
     ir_text: str, example_inputs: Sequence[Any], constants: Sequence[Any], config: Any
 ) -> str:
+    from .ops.kernels import registry_fingerprint
     from .serialize import FORMAT, versions
 
     h = hashlib.sha256()
-    for part in (FORMAT, repr(sorted(versions().items())), ir_text, _config_text(config)):
+    config_text = _config_text(config) + ";kernels=" + registry_fingerprint()  # register_kernel
+    for part in (FORMAT, repr(sorted(versions().items())), ir_text, config_text):
         h.update(part.encode())
         h.update(b"\0")
     for x in example_inputs:

@@ -19,6 +19,7 @@ from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program, lower
 from .ir import Graph, from_fx, graph_to_text, verify
 from .ir.to_fx import to_fx
+from .ops.kernels import apply_kernel_overrides
 from .passes import PassRecord, run_passes
 from .passes.user import run_user_pass
 from .serialize import SerializationError, dump_graph, load_graph
@@ -196,6 +197,7 @@ def _compile(
             dump.fx("after_pre_pass_fx.txt", gm)
     if graph is None or config.post_grad_custom_pre_pass is not None:
         graph = from_fx(gm, example_inputs)
+    graph = apply_kernel_overrides(graph)  # fxrt.register_kernel: fxrt graphs only, not eager
     if config.verify:
         verify(graph)
     graph, records = run_passes(
