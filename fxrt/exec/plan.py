@@ -24,7 +24,7 @@ import sympy
 import torch
 
 from ..ir.graph import Graph, ValueKind, refs_in
-from ..ops.aliasing import output_aliases
+from ..ops.aliasing import is_collective, output_aliases
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Plan:
     # sizes a sympy expression in the size symbols (evaluate it with ``live_bytes_for``).
     live_bytes: tuple[int | str, ...]
     peak_bytes: int  # max of the static entries of live_bytes (0 for an empty graph)
-    exact: bool  # False when some fresh storage has an unknown size (no metadata)
+    exact: bool  # False when some fresh storage has an unknown size (no metadata, collectives)
     symbolic: bool = False  # some entry of live_bytes is an expression
 
     def live_bytes_for(self, bindings: dict[str, int]) -> list[int]:
@@ -111,7 +111,9 @@ def plan_lifetimes(graph: Graph) -> Plan:
         frees[end].extend(sorted(vids))
         free_at[root] = end
 
-    exact = True
+    # A collective's result shares its input's alias set (fxrt.ops.aliasing) though it is a new
+    # storage: the byte count is then a lower bound.
+    exact = not any(is_collective(node.op.name) for node in graph.nodes)
     born: list[Any] = [0] * len(graph.nodes)
     died: list[Any] = [0] * len(graph.nodes)
     for i, node in enumerate(graph.nodes):

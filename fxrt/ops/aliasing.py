@@ -30,6 +30,20 @@ def bind_schema_args(schema: torch.FunctionSchema, args: tuple, kwargs: dict) ->
 # ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a temporary).
 UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view"})
 
+# torch.distributed collectives, as Dynamo and DTensor capture them. Their schemas carry no alias
+# annotations, yet a collective may read its input and fill its output asynchronously until the
+# ``wait_tensor`` on that output, and ``wait_tensor`` returns its argument itself. For liveness,
+# a collective's output joins the alias set of its tensor inputs, and a wait's result joins its
+# argument's set: no FREE of any of them comes before the wait (or the waited result's last use).
+# Passes also treat these ops as side-effecting (see ``fxrt.passes.analysis``).
+COLLECTIVE_NAMESPACES = ("_c10d_functional::", "_dtensor::")
+WAIT_OPS = frozenset({"_c10d_functional::wait_tensor"})
+
+
+def is_collective(name: str) -> bool:
+    """True for a collective or a wait on one (by qualified op name, ``ns::op``)."""
+    return name.startswith(COLLECTIVE_NAMESPACES)
+
 
 def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
     """For each output of ``node``, the ids of the inputs it may alias."""
@@ -37,8 +51,10 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         schema = node.op.schema
         if node.copies:
             return [[] for _ in node.outputs]
-        if node.op.name in UNANNOTATED_VIEWS:
+        if node.op.name in UNANNOTATED_VIEWS or node.op.name in WAIT_OPS:
             return [refs_in(node.args[0])]
+        if is_collective(node.op.name):  # see COLLECTIVE_NAMESPACES
+            return [node.input_ids()] * len(node.outputs)
         bound = bind_schema_args(schema, node.args, node.kwargs)
         sets_of: list[tuple[frozenset[str], list[int]]] = []
         for a in schema.arguments:

@@ -6,7 +6,7 @@ import torch
 
 from ..exec.plan import plan_lifetimes
 from ..ir.graph import Graph, Node, OpKind, refs_in
-from ..ops.aliasing import bind_schema_args
+from ..ops.aliasing import bind_schema_args, is_collective
 
 
 def is_pure(node: Node) -> bool:
@@ -14,7 +14,7 @@ def is_pure(node: Node) -> bool:
     if node.op.kind is not OpKind.ATEN:
         return False
     target = node.op.target
-    if target._schema.is_mutable:
+    if target._schema.is_mutable or is_collective(node.op.name):  # a collective is never merged
         return False
     tags = set(getattr(target, "tags", ()))
     return not (tags & {torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
@@ -26,6 +26,8 @@ def has_side_effects(node: Node) -> bool:
         return True  # opaque Python
     target = node.op.target
     if target._schema.is_mutable or "assert" in node.op.name or "print" in node.op.name:
+        return True
+    if is_collective(node.op.name):  # every rank must issue (and wait on) the same collectives
         return True
     return torch.Tag.nondeterministic_seeded in set(getattr(target, "tags", ()))
 
