@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -51,14 +52,21 @@ def test_profile_covers_every_node_with_sane_times(executor, name):
     with torch.no_grad():
         cg(*inputs)  # warm up
         with fxrt.profile() as prof:
-            for _ in range(5):
+            for _ in range(7):
                 torch.testing.assert_close(cg(*inputs), model(*inputs))
     n_nodes = len(cg.graph.nodes)
-    assert len(prof.calls) == 5 and len(prof.nodes) == 5 * n_nodes
+    assert len(prof.calls) == 7 and len(prof.nodes) == 7 * n_nodes
     assert {e.node for e in prof.nodes} == {n.name for n in cg.graph.nodes}
     assert all(e.end_ns >= e.start_ns for e in prof.nodes)
-    node_time = sum(e.end_ns - e.start_ns for e in prof.nodes)
-    assert 0.8 * prof.graph_time_ns <= node_time <= prof.graph_time_ns
+    # Per call, the node times add up to the call's time within 20% (the rest is the loop
+    # itself). On a shared machine a call can be preempted between two nodes: take the median.
+    ratios = []
+    for call in prof.calls:
+        inside = [e for e in prof.nodes if call.start_ns <= e.start_ns <= call.end_ns]
+        assert len(inside) == n_nodes
+        ratios.append(sum(e.end_ns - e.start_ns for e in inside) / (call.end_ns - call.start_ns))
+    assert all(r <= 1.0 for r in ratios)
+    assert 0.8 <= statistics.median(ratios), ratios
     table = prof.table(5)
     assert table.splitlines()[0].split() == [
         "op",
