@@ -15,6 +15,7 @@ input used as a dynamic size (with ``sym_size`` and Python arithmetic on sizes).
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -61,16 +62,22 @@ KINDS = [
 
 @dataclass
 class GeneratedGraph:
-    gm: torch.fx.GraphModule
+    module: torch.fx.GraphModule
     shapes: list[Any]  # per input: a shape tuple for tensors, or an int
     seed: int
+
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        """A fresh copy each time: a graph may write its constants in place, and every run
+        (eager or compiled) must start from the same state."""
+        return copy.deepcopy(self.module)
 
     def inputs(self) -> list[Any]:
         gen = torch.Generator().manual_seed(self.seed)
         return [torch.randn(s, generator=gen) if isinstance(s, tuple) else s for s in self.shapes]
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing (shrunk) example
-        return f"GeneratedGraph(shapes={self.shapes}, seed={self.seed}):\n{self.gm.code}"
+        return f"GeneratedGraph(shapes={self.shapes}, seed={self.seed}):\n{self.module.code}"
 
 
 class _Builder:

@@ -26,7 +26,8 @@ LOOPS = ["python", "cpp"] if native_available() else ["python"]
 
 
 def compile_loop(g: GeneratedGraph, loop: str) -> fxrt.CompiledGraph:
-    cg = fxrt.compile_graph(g.gm, None, fxrt.CompilerConfig(pure_python=loop == "python"))
+    config = fxrt.CompilerConfig(pure_python=loop == "python", cache=False)
+    cg = fxrt.compile_graph(g.gm, None, config)
     assert cg.executor == loop
     return cg
 
@@ -148,7 +149,7 @@ def test_passes_leave_results_unchanged(g: GeneratedGraph, passes: list[str]):
     eager_inputs = g.inputs()
     want = g.gm(*eager_inputs)
     want_alias = alias_signature(want, eager_inputs)
-    config = fxrt.CompilerConfig(pure_python=True, passes=passes)
+    config = fxrt.CompilerConfig(pure_python=True, passes=passes, cache=False)
     cg = fxrt.compile_graph(g.gm, None, config)
     note(str(cg.program))
     inputs = g.inputs()
