@@ -144,6 +144,11 @@ class Graph:
     def output_ids(self) -> list[int]:
         return refs_in(self.output)
 
+    def __str__(self) -> str:
+        from .printer import graph_to_text
+
+        return graph_to_text(self)
+
 
 def refs_in(tree: Any) -> list[int]:
     """Ids of every Ref in a nested structure of tuples, lists, slices and dicts, in order."""
