@@ -11,6 +11,12 @@ from .backend import backend
 from .compiler import CompiledGraph, compile_graph, get_compiler
 from .config import CompilerConfig
 from .errors import ExecutionError
+from .inductor import (
+    get_fused_kernel_payload,
+    register_fused_kernel,
+    register_fx_wrapper,
+    unregister_fx_wrapper,
+)
 from .ops.kernels import load_kernel_library, register_kernel, unregister_kernel
 from .profiler import Profile, profile
 from .runtime import runtime_info
@@ -26,9 +32,13 @@ __all__ = [
     "compile_graph",
     "get_compiler",
     "profile",
+    "get_fused_kernel_payload",
     "load_kernel_library",
     "register_kernel",
+    "register_fused_kernel",
+    "register_fx_wrapper",
     "runtime_info",
+    "unregister_fx_wrapper",
     "unregister_kernel",
     "__version__",
 ]

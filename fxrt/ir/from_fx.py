@@ -125,6 +125,8 @@ class _Converter:
             return g.add_value(name, ValueKind.SYM, expr=str(ex))
         if isinstance(ex, (int, float, bool)):
             return g.add_value(name, ValueKind.SCALAR)
+        if ex is None and node is not None and "val" in node.meta:
+            return g.add_value(name, ValueKind.NONE)
         return g.add_value(name, ValueKind.OTHER)
 
     def arg(self, a: Any) -> Any:

@@ -44,7 +44,8 @@ class ValueKind(enum.Enum):
     TENSOR = "tensor"
     SYM = "sym"  # SymInt / SymFloat / SymBool
     SCALAR = "scalar"  # a concrete Python number or bool
-    OTHER = "other"  # None, lists, modules, opaque objects
+    NONE = "none"  # known to be None (e.g. a kernel call that writes into its arguments)
+    OTHER = "other"  # lists, modules, opaque objects, or unknown
 
 
 @dataclass(frozen=True, slots=True)

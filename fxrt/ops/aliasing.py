@@ -81,6 +81,11 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         # AOTAutograd functionalizes higher-order ops and rejects subgraphs whose outputs alias
         # their inputs, so their results are fresh storages.
         return [[] for _ in node.outputs]
+    if all(
+        graph.values[v].kind in (ValueKind.NONE, ValueKind.SYM, ValueKind.SCALAR)
+        for v in node.outputs
+    ):
+        return [[] for _ in node.outputs]  # a None or a number shares no storage
     tensorish = [
         v for v in node.input_ids() if graph.values[v].kind in (ValueKind.TENSOR, ValueKind.OTHER)
     ]
