@@ -7,10 +7,10 @@ node's ``meta["val"]``. Test inputs are regenerated from a seed, so nothing of t
 leaks into the test.
 
 The vocabulary covers elementwise unary and broadcasting binary ops, reductions with keepdim,
-matmul, chains of views (view, reshape, transpose, permute, slice, select, expand, unsqueeze, t,
-split), in-place ops on intermediates, views and inputs, multi-output ops read through getitem,
-constants, dead code, duplicated outputs and outputs that are inputs or views of them, and an int
-input used as a dynamic size (with ``sym_size`` and Python arithmetic on sizes).
+matmul and linear, chains of views (view, reshape, transpose, permute, slice, select, expand,
+unsqueeze, t, split), in-place ops on intermediates, views and inputs, multi-output ops read
+through getitem, constants, dead code, duplicated outputs and outputs that are inputs or views of
+them, and an int input used as a dynamic size (with ``sym_size`` and Python arithmetic on sizes).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ KINDS = [
     "scalar",
     "reduce",
     "matmul",
+    "linear",
     "view",
     "reshape",
     "transpose",
@@ -142,6 +143,12 @@ class _Builder:
         elif kind == "matmul":
             node2, t2 = self.pick_tensor()
             self.emit(aten.mm.default, (node, node2), (t, t2))
+        elif kind == "linear":
+            (wnode, w), (bnode, b) = self.pick_tensor(), self.pick_tensor()
+            if d(st.booleans()):
+                self.emit(aten.linear.default, (node, wnode, bnode), (t, w, b))
+            else:
+                self.emit(aten.linear.default, (node, wnode), (t, w))
         elif kind == "view":
             self.emit(aten.view.default, (node, [-1]), (t, [-1]))
         elif kind == "reshape":
