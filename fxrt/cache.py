@@ -42,13 +42,15 @@ def cache_dir(configured: str | None = None) -> Path:
 
 @functools.cache
 def source_hash() -> str:
-    """Hash of fxrt's own sources: a changed fxrt never reads an older fxrt's entries."""
+    """Fingerprint of fxrt's own sources (and the built extension): a changed fxrt never reads
+    an older fxrt's entries. Names, sizes and modification times, not contents: a stat per file
+    keeps a warm cache load fast, and a touched-but-unchanged file only costs a recompile."""
     h = hashlib.sha256()
     root = Path(__file__).parent
     for p in sorted(root.rglob("*")):
-        if p.suffix in (".py", ".pyx", ".pxd", ".h") and "__pycache__" not in p.parts:
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
+        if p.suffix in (".py", ".pyx", ".pxd", ".h", ".so") and "__pycache__" not in p.parts:
+            st = p.stat()
+            h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ known callables (``operator.*``, ``math.*``, ``torch.sym_*``, higher-order ops b
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -188,12 +189,19 @@ def load_graph(data: bytes) -> tuple[Graph, Plan, list[Any]]:
         raise SerializationError(
             f"artifact was made by {doc.get('versions')}, this is {versions()}"
         )
+    # Rebuilding allocates thousands of small objects; in a process that holds Dynamo's state a
+    # full garbage collection triggered here costs far more than the rebuild itself.
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         return _rebuild(doc, tensors)
     except SerializationError:
         raise
     except Exception as e:
         raise SerializationError(f"corrupt fxrt artifact: {type(e).__name__}: {e}") from e
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _arg(a: Any, tensors: dict[str, torch.Tensor]) -> Any:
