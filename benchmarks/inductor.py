@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import random
-import statistics
 import sys
 import time
 import warnings
@@ -63,24 +61,7 @@ def measure_cpu(
 ) -> dict[str, float]:
     """``fxrt.bench.measure`` with the thread's CPU time as the clock (Inductor's kernels run on
     this thread: the benchmark sets one intra-op thread before compiling)."""
-    calls: dict[str, int] = {}
-    for name, fn in fns.items():
-        for _ in range(3):
-            fn(*inputs)
-        t0 = time.perf_counter()
-        fn(*inputs)
-        calls[name] = max(5, min(2000, int(target_s / max(time.perf_counter() - t0, 1e-7))))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
-    for _ in range(rounds):
-        random.shuffle(order)
-        for name in order:
-            fn, n = fns[name], calls[name]
-            t0 = time.thread_time()
-            for _ in range(n):
-                fn(*inputs)
-            samples[name].append((time.thread_time() - t0) / n * 1e6)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return measure(fns, inputs, rounds, target_s, clock=time.thread_time)
 
 
 @contextlib.contextmanager

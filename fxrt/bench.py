@@ -73,9 +73,14 @@ def competitors(model: torch.nn.Module, inputs: tuple) -> dict[str, Callable | N
 
 
 def measure(
-    fns: dict[str, Callable], inputs: tuple, rounds: int, target_s: float = 0.02
+    fns: dict[str, Callable],
+    inputs: tuple,
+    rounds: int,
+    target_s: float = 0.02,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
-    """Median over ``rounds`` interleaved rounds of the mean µs per call."""
+    """Median over ``rounds`` interleaved rounds of the mean µs per call, timed with ``clock``
+    (wall time by default; ``time.thread_time`` gives the calling thread's CPU time)."""
     calls: dict[str, int] = {}
     for name, fn in fns.items():  # warm up and size each batch to about target_s
         for _ in range(3):
@@ -90,10 +95,10 @@ def measure(
         random.shuffle(order)
         for name in order:
             fn, n = fns[name], calls[name]
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 fn(*inputs)
-            samples[name].append((time.perf_counter() - t0) / n * 1e6)
+            samples[name].append((clock() - t0) / n * 1e6)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
