@@ -27,12 +27,11 @@ Usage: python benchmarks/inductor.py [--rounds N] [--only W2,W3] [--clock wall|c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 
 import fxrt
 from fxrt.bench import measure
-from fxrt.inductor import compiled_host_graphs
+from fxrt.inductor import capturing_modules, compiled_host_graphs
 from fxrt.models import DecoderBlock, workloads
 
 
@@ -62,26 +61,6 @@ def measure_cpu(
     """``fxrt.bench.measure`` with the thread's CPU time as the clock (Inductor's kernels run on
     this thread: the benchmark sets one intra-op thread before compiling)."""
     return measure(fns, inputs, rounds, target_s, clock=time.thread_time)
-
-
-@contextlib.contextmanager
-def capturing_modules() -> Iterator[list[Any]]:
-    """Collect the modules Inductor compiles: its Python wrapper module, or the
-    FileBackedGraphModule holding the FX host graph."""
-    from torch._inductor.graph import GraphLowering
-
-    found: list[Any] = []
-    original = GraphLowering.compile_to_module
-
-    def spy(self: GraphLowering) -> Any:
-        found.append(original(self))
-        return found[-1]
-
-    GraphLowering.compile_to_module = spy
-    try:
-        yield found
-    finally:
-        GraphLowering.compile_to_module = original
 
 
 def fresh_entry(model: torch.nn.Module, name: str) -> Callable[..., Any]:

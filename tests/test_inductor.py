@@ -68,21 +68,8 @@ def registered(config: fxrt.CompilerConfig | None = None) -> Iterator[None]:
 def capturing_modules() -> Iterator[list[Any]]:
     """The modules Inductor compiles inside the block (its FX graph cache is off, so it does
     compile): a Python module for its own wrapper, a FileBackedGraphModule for an FX wrapper."""
-    from torch._inductor.graph import GraphLowering
-
-    found: list[Any] = []
-    original = GraphLowering.compile_to_module
-
-    def spy(self: GraphLowering) -> Any:
-        found.append(original(self))
-        return found[-1]
-
-    GraphLowering.compile_to_module = spy
-    try:
-        with inductor_config.patch(fx_graph_cache=False):
-            yield found
-    finally:
-        GraphLowering.compile_to_module = original
+    with inductor_config.patch(fx_graph_cache=False), fxrt.inductor.capturing_modules() as found:
+        yield found
 
 
 @contextlib.contextmanager

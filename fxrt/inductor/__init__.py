@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from .fused_kernels import get_fused_kernel_payload, register_fused_kernel, unregister_fused_kernel
-from .host_graph import compiled_host_graphs, stats
+from .host_graph import capturing_modules, compiled_host_graphs, stats
 
 if TYPE_CHECKING:
     from ..config import CompilerConfig
@@ -63,6 +63,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FxrtWrapperCodegen",
+    "capturing_modules",
     "compiled_host_graphs",
     "get_fused_kernel_payload",
     "is_registered",

@@ -48,10 +48,12 @@ branches) are not rewritten: they run as Python GraphModules inside the ``cond``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -313,6 +315,26 @@ def compile_host_graph(gm: torch.fx.GraphModule, config: CompilerConfig) -> Comp
     return cg
 
 
+@contextlib.contextmanager
+def capturing_modules() -> Iterator[list[Any]]:
+    """Collect the modules Inductor compiles inside the block: its Python wrapper module, or the
+    FileBackedGraphModule holding an FX host graph (for tests and benchmarks)."""
+    from torch._inductor.graph import GraphLowering
+
+    found: list[Any] = []
+    original = GraphLowering.compile_to_module
+
+    def spy(self: GraphLowering) -> Any:
+        found.append(original(self))
+        return found[-1]
+
+    GraphLowering.compile_to_module = spy
+    try:
+        yield found
+    finally:
+        GraphLowering.compile_to_module = original
+
+
 def compiled_host_graphs() -> list[CompiledGraph]:
     """The host graphs fxrt has compiled that are still alive, oldest first."""
     with _compiled_lock:
@@ -322,6 +344,7 @@ def compiled_host_graphs() -> list[CompiledGraph]:
 __all__ = [
     "NATIVE_EQUIVALENTS",
     "compile_host_graph",
+    "capturing_modules",
     "compiled_host_graphs",
     "rewrite_to_native",
     "simplify_views",
