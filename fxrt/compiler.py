@@ -13,6 +13,7 @@ import torch.fx
 from . import cache, profiler
 from .config import CompilerConfig
 from .dump import Dumper
+from .exec.arena import plan_arena, verify_arena
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan, plan_lifetimes
@@ -102,7 +103,8 @@ class CompiledGraph:
             SerializationError: not an fxrt artifact, corrupt, or made by another fxrt/torch.
         """
         graph, plan, records = load_graph(artifact)
-        cg = cls(graph, plan, lower(graph, plan), config or CompilerConfig())
+        config = config or CompilerConfig()
+        cg = cls(graph, plan, _lower(graph, plan, config), config)
         cg.pass_records = records
         return cg
 
@@ -221,12 +223,20 @@ def _compile(
         if config.verify:
             verify(graph)
     plan = plan_lifetimes(graph)
-    program = lower(graph, plan)
+    program = _lower(graph, plan, config)
     if dump:
         dump.final(graph, program)
     cg = CompiledGraph(graph, plan, program, config)
     cg.pass_records = records
     return cg
+
+
+def _lower(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
+    """The Program, with an arena when the config asks for one and anything fits in it."""
+    arena = plan_arena(graph, plan) if config.arena else None
+    if arena is not None and config.verify:
+        verify_arena(graph, plan, arena)
+    return lower(graph, plan, arena)
 
 
 def get_compiler(

@@ -57,6 +57,9 @@ class CompilerConfig:
             graph before the built-in passes (TorchAir's interface); edits ``gm`` in place.
         post_grad_custom_post_pass: the same, after the built-in passes.
         dump_dir: write each compiled graph's stages here. Default from ``FXRT_DUMP_DIR``.
+        arena: write intermediates into a preallocated arena, reused from call to call, through
+            their ops' ``out=`` overloads (see :mod:`fxrt.exec.arena`). Default from
+            ``FXRT_ARENA`` (on).
         cache: use the on-disk compile cache. Default from ``FXRT_CACHE`` (on).
         cache_dir: where the cache lives. Default from ``FXRT_CACHE_DIR``, else
             ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``.
@@ -72,6 +75,7 @@ class CompilerConfig:
     post_grad_custom_pre_pass: Callable[..., Any] | None = None
     post_grad_custom_post_pass: Callable[..., Any] | None = None
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
+    arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     mode: str = "default"

@@ -31,21 +31,25 @@ def test_chain_frees_each_intermediate_after_its_last_use():
     cg = compile_fn(f, torch.randn(4, 4), torch.randn(4, 4))
     assert str(cg.program) == golden("""
         program(%x_1, %w_1): 9 registers
-             0  CALL   %mm = aten::mm(%x_1, %w_1)
-             1  CALL   %relu = aten::relu(%mm)
+          arena  128 bytes, 3 slots
+             0  CALL   %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
+             1  CALL   %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu)
              2  FREE   %mm
              3  CALL   %t = aten::t(%relu)
-             4  CALL   %sum_1 = aten::sum.dim_IntList(%t, [0])
+             4  CALL   %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out
              5  FREE   %relu, %t
              6  CALL   %sigmoid = aten::sigmoid(%x_1)
              7  CALL   %sum_2 = aten::sum(%sigmoid)
              8  CALL   %add = aten::add.Tensor(%sum_1, %sum_2)
              9  FREE   %sum_1, %sum_2
           return (%add, %sigmoid)
-    """)
+    """)  # noqa: E501
     # 4x4 float32 = 64 bytes: mm and relu are live together (128), then relu + sums, etc.
     assert cg.plan.peak_bytes == 128
     assert cg.plan.live_bytes == (64, 128, 64, 80, 80, 84, 100)
+    # mm, relu and sum_1 live in a 128-byte arena (sum_1 where mm was, once mm is freed); the
+    # outputs sigmoid (64) and add (4) and the 4-byte sum_2 do not.
+    assert cg.program.arena.live_bytes(cg.plan) == [128, 128, 128, 128, 192, 196, 212]
 
 
 def test_graph_text_shows_types():
@@ -70,8 +74,9 @@ def test_views_of_inputs_and_outputs_are_never_freed():
     cg = compile_fn(f, torch.randn(4, 4))
     assert str(cg.program) == golden("""
         program(%x_1): 6 registers
+          arena  64 bytes, 1 slots
              0  CALL   (%split_0, %split_1) = aten::split.Tensor(%x_1, 2)
-             1  CALL   %cat = aten::cat([%split_1, %split_0])
+             1  CALL   %cat = aten::cat([%split_1, %split_0]) -> arena[0:64] via aten::cat.out
              2  CALL   %mul = aten::mul.Tensor(%cat, 2)
              3  FREE   %cat
              4  CALL   %view = aten::view(%mul, [-1])

@@ -44,6 +44,10 @@ cdef extern from "loop.h":
             const vector[int64_t]& outputs,
             cbool multi,
         ) except +set_python_error
+        cbool set_arena_slot(
+            int64_t slot, object out_name, object out_overload, object out_args, object out_kwargs
+        ) except +set_python_error
+        void set_arena(object factory, object guards, cbool constants_need_grad) except +set_python_error
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
@@ -99,6 +103,18 @@ cdef class Executor:
     def add_call(self, str name, str overload, tuple args, dict kwargs, outputs, cbool multi):
         """Add an ATen call; False (nothing added) if it cannot run natively."""
         return self._impl().add_call(name, overload, args, kwargs, outputs, multi)
+
+    def set_arena_slot(self, int64_t slot, out_name, out_overload, tuple out_args, out_kwargs):
+        """Give the call just added arena slot ``slot``, written by the ATen call
+        ``out_name.out_overload(*out_args, **out_kwargs)`` whose ``out`` reads the result's
+        register (``out_name`` None: an allocation, no call). False if it cannot be bound."""
+        return self._impl().set_arena_slot(slot, out_name, out_overload, out_args, out_kwargs)
+
+    def set_arena(self, factory, list guards, cbool constants_need_grad):
+        """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); ``guards``
+        lists ``(input position, meta tensor)`` pairs the inputs must match in size and dtype;
+        with ``constants_need_grad``, calls in grad mode run without the arena."""
+        self._impl().set_arena(factory, guards, constants_need_grad)
 
     def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
         """Add a call of a Python callable."""

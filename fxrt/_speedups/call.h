@@ -17,7 +17,11 @@
 // as torch.ops converts it, so the op sees what it would see under the Python loop.
 //
 // run_call() fills the stack, calls callBoxed, and stores the returns in the output registers,
-// unpacking a multi-output return (several returns, or one list) in order.
+// unpacking a multi-output return (several returns, or one list) in order. Given an arena (see
+// fxrt/exec/arena.py) and a call whose result has a slot there, it puts the slot's tensor in the
+// result register and runs the call's out= form, bound like any call, whose `out` argument reads
+// that register; an allocation has no out= form: the slot's tensor is the result. If the out=
+// form fails, the plain call runs and raises its own error, if any.
 
 #pragma once
 
@@ -27,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -100,7 +105,11 @@ struct CallOp {
   size_t n_returns = 0;
   bool multi = false;
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
+  int64_t arena_slot = -1;  // the result's arena slot, or -1
+  std::shared_ptr<const CallOp> out_call;  // writes the slot; null: the slot is the result
 };
+
+using Arena = std::vector<at::Tensor>;
 
 // torch.ops' rule (torch/csrc/jit/python/init.cpp) for which ops take numbers as tensors.
 inline bool allows_numbers_as_tensors(const std::string& name) {
@@ -467,7 +476,24 @@ inline void store_returns(const CallOp& call, std::vector<IValue>& regs, Stack& 
   }
 }
 
-inline void run_call(const CallOp& call, std::vector<IValue>& regs, Stack& stack, GilState& gil) {
+inline void run_call(
+    const CallOp& call,
+    std::vector<IValue>& regs,
+    Stack& stack,
+    GilState& gil,
+    const Arena* arena) {
+  if (arena != nullptr && call.arena_slot >= 0) {
+    regs[static_cast<size_t>(call.outputs[0])] = (*arena)[static_cast<size_t>(call.arena_slot)];
+    if (call.out_call == nullptr) {
+      return;
+    }
+    try {
+      run_call(*call.out_call, regs, stack, gil, nullptr);
+      return;
+    } catch (const std::exception&) {
+      // The plain call below runs it instead, and raises its own error if any.
+    }
+  }
   stack.clear();
   push_arguments(call, regs, stack, gil);
   {

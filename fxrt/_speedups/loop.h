@@ -13,6 +13,13 @@
 // outputs. Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error -> RuntimeError and
 // friends, C++ warnings -> Python warnings); on failure the register file and the failing
 // instruction go back to the caller, which builds the ExecutionError the Python loop raises.
+//
+// With an arena (fxrt/exec/arena.py), run() first decides, as PythonLoop.take_arena does, whether
+// this call may use one: not when autograd could record it (grad mode on and an input or constant
+// requires grad) or when an input's size or dtype differs from what the graph was compiled for.
+// It then takes an arena from the pool of its inference mode, or has the Python factory make one,
+// and puts it back after a successful run; a failed run drops it (the error may still hold views
+// of it).
 
 #pragma once
 
@@ -20,10 +27,14 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -50,6 +61,37 @@ struct Instr {
   enum Kind : uint8_t { CALL, PYCALL, FREE };
   Kind kind;
   size_t index;  // into calls_, pycalls_ or frees_
+};
+
+// An input the arena requires to have the compiled size and dtype.
+struct InputGuard {
+  size_t reg;
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+};
+
+// Arenas not in use, one pool per inference mode: an arena made in inference mode holds
+// inference tensors, which normal mode may not write.
+class ArenaPool {
+ public:
+  std::unique_ptr<Arena> take(bool inference) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& pool = pools_[inference];
+    if (pool.empty()) {
+      return nullptr;
+    }
+    std::unique_ptr<Arena> arena = std::move(pool.back());
+    pool.pop_back();
+    return arena;
+  }
+  void give_back(std::unique_ptr<Arena> arena, bool inference) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pools_[inference].push_back(std::move(arena));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Arena>> pools_[2];
 };
 
 // Filled by run() when an instruction fails: what the caller needs to name the failing node.
@@ -96,6 +138,36 @@ class Executor {
     return true;
   }
 
+  // Give the CALL just added arena slot `slot`, written by the call `out_name`.`out_overload`
+  // (`out_args`, `out_kwargs`) whose `out` reads the result register; `out_name` None: an
+  // allocation. False (the call stays plain) when the out= call cannot be bound.
+  bool set_arena_slot(
+      int64_t slot,
+      PyObject* out_name,
+      PyObject* out_overload,
+      PyObject* out_args,
+      PyObject* out_kwargs) {
+    if (code_.empty() || code_.back().kind != Instr::CALL) {
+      return false;
+    }
+    CallOp& call = calls_.at(code_.back().index);
+    if (call.multi) {
+      return false;
+    }
+    if (out_name != Py_None) {
+      std::optional<CallOp> out = bind_call(
+          py::cast<std::string>(out_name), py::cast<std::string>(out_overload), out_args,
+          out_kwargs, call.outputs, false, refs_);
+      if (!out.has_value()) {
+        return false;
+      }
+      max_stack_ = std::max({max_stack_, out->slots.size(), out->n_returns});
+      call.out_call = std::make_shared<const CallOp>(std::move(*out));
+    }
+    call.arena_slot = slot;
+    return true;
+  }
+
   void add_pycall(
       PyObject* fn,
       PyObject* args,
@@ -123,6 +195,20 @@ class Executor {
     call.const_kwargs = PyDict_GET_SIZE(consts.ptr()) > 0 ? consts : py::none();
     code_.push_back({Instr::PYCALL, pycalls_.size()});
     pycalls_.push_back(std::move(call));
+  }
+
+  // The arena: `factory()` makes one (a list of tensors, one per slot); `guards` are (input
+  // position, meta tensor with the compiled size and dtype) pairs.
+  void set_arena(PyObject* factory, PyObject* guards, bool constants_need_grad) {
+    arena_factory_ = py::reinterpret_borrow<py::object>(factory);
+    for (py::handle item : py::reinterpret_borrow<py::list>(guards)) {
+      auto pair = item.cast<py::tuple>();
+      size_t pos = pair[0].cast<size_t>();
+      const at::Tensor& meta = THPVariable_Unpack(pair[1].ptr());
+      guards_.push_back({static_cast<size_t>(inputs_.at(pos)), meta.sizes().vec(),
+                         meta.scalar_type()});
+    }
+    constants_need_grad_ = constants_need_grad;
   }
 
   // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
@@ -175,6 +261,8 @@ class Executor {
     for (Py_ssize_t i = 0; i < n; ++i) {
       regs[static_cast<size_t>(inputs_[i])] = from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
     }
+    bool inference = c10::InferenceMode::is_enabled();
+    std::unique_ptr<Arena> arena = take_arena(regs, inference);
     Stack stack;
     stack.reserve(max_stack_);
     GilState gil(release_gil_);
@@ -184,7 +272,7 @@ class Executor {
         const Instr& ins = code_[pc];
         if constexpr (Timed) {
           if (ins.kind == Instr::FREE) {
-            step(ins, regs, stack, gil);
+            step(ins, regs, stack, gil, nullptr);
             continue;
           }
           std::optional<at::RecordFunction> range;
@@ -195,11 +283,11 @@ class Executor {
             }
           }
           int64_t t0 = now_ns();
-          step(ins, regs, stack, gil);
+          step(ins, regs, stack, gil, arena.get());
           int64_t t1 = now_ns();
           timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
         } else {
-          step(ins, regs, stack, gil);
+          step(ins, regs, stack, gil, arena.get());
         }
       }
     } catch (...) {
@@ -210,14 +298,53 @@ class Executor {
       throw;
     }
     gil.acquire();
+    if (arena != nullptr) {
+      pool_.give_back(std::move(arena), inference);
+    }
     return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
   }
 
-  void step(const Instr& ins, Registers& regs, Stack& stack, GilState& gil) const {
+  // An arena for this call (see the header comment), or nullptr. Needs the GIL.
+  std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference) const {
+    if (arena_factory_.is_none()) {
+      return nullptr;
+    }
+    if (c10::GradMode::is_enabled()) {
+      if (constants_need_grad_) {
+        return nullptr;
+      }
+      for (int64_t r : inputs_) {
+        const IValue& v = regs[static_cast<size_t>(r)];
+        if (v.isTensor() && v.toTensor().requires_grad()) {
+          return nullptr;
+        }
+      }
+    }
+    for (const InputGuard& g : guards_) {
+      const IValue& v = regs[g.reg];
+      if (!v.isTensor() || v.toTensor().scalar_type() != g.dtype ||
+          !v.toTensor().sizes().equals(g.sizes)) {
+        return nullptr;
+      }
+    }
+    std::unique_ptr<Arena> arena = pool_.take(inference);
+    if (arena != nullptr) {
+      return arena;
+    }
+    py::object made = steal_or_throw(PyObject_CallNoArgs(arena_factory_.ptr()));
+    arena = std::make_unique<Arena>();
+    for (py::handle t : py::reinterpret_borrow<py::list>(made)) {
+      arena->push_back(THPVariable_Unpack(t.ptr()));
+    }
+    return arena;
+  }
+
+  void step(const Instr& ins, Registers& regs, Stack& stack, GilState& gil, const Arena* arena)
+      const {
     switch (ins.kind) {
       case Instr::CALL:
         gil.release();
-        run_call(calls_[ins.index], regs, stack, gil);
+        run_call(calls_[ins.index], regs, stack, gil, arena);
         break;
       case Instr::PYCALL:
         gil.acquire();
@@ -276,6 +403,10 @@ class Executor {
   std::vector<std::vector<int64_t>> frees_;
   std::vector<std::string> names_;
   size_t max_stack_ = 0;
+  py::object arena_factory_ = py::none();
+  std::vector<InputGuard> guards_;
+  bool constants_need_grad_ = false;
+  mutable ArenaPool pool_;
 };
 
 // Whether torch.ops would route this call's ops through __torch_function__: 0 no, 1 yes (a

@@ -18,7 +18,7 @@ from ..errors import node_error
 from ..ir.graph import Ref, map_refs, refs_in
 from .program import Call, Free, Program
 
-_CALL, _FREE = 0, 1
+_CALL, _FREE, _ARENA = 0, 1, 2
 
 
 def _arg_loader(args: tuple, kwargs: dict) -> tuple:
@@ -42,13 +42,9 @@ def input_refs_of(a: Any) -> bool:
     return isinstance(a, (Ref, list, tuple, dict, slice)) and bool(refs_in(a))
 
 
-def _step(ins: tuple, regs: list[Any]) -> None:
-    """Execute one instruction tuple against the register file."""
-    if ins[0] is _FREE:
-        for r in ins[1]:
-            regs[r] = None
-        return
-    _, fn, tmpl, fills, deep, kw_const, kw_deep, outs, multi, _node = ins
+def _invoke(fn: Any, loaded: tuple, regs: list[Any]) -> Any:
+    """Call ``fn`` with the arguments ``_arg_loader`` prepared, read from the registers."""
+    tmpl, fills, deep, kw_const, kw_deep = loaded
     a = tmpl.copy()
     for p, r in fills:
         a[p] = regs[r]
@@ -58,9 +54,29 @@ def _step(ins: tuple, regs: list[Any]) -> None:
         kw = dict(kw_const)
         for k, tree in kw_deep:
             kw[k] = map_refs(tree, lambda ref: regs[ref.id])
-        res = fn(*a, **kw)
-    else:
-        res = fn(*a, **kw_const)
+        return fn(*a, **kw)
+    return fn(*a, **kw_const)
+
+
+def _step(ins: tuple, regs: list[Any], arena: list[Any] | None) -> None:
+    """Execute one instruction tuple against the register file (and the call's arena)."""
+    kind = ins[0]
+    if kind is _FREE:
+        for r in ins[1]:
+            regs[r] = None
+        return
+    if kind is _ARENA:
+        _, _node, plain, out_fn, out_loaded, slot = ins
+        regs[plain[4][0]] = arena[slot]
+        if out_fn is None:  # an allocation: the slot is the result
+            return
+        try:
+            _invoke(out_fn, out_loaded, regs)  # writes the slot, passed as out=
+            return
+        except Exception:
+            ins = plain  # the plain call runs it instead, and raises its own error if any
+    _, _node, fn, loaded, outs, multi = ins
+    res = _invoke(fn, loaded, regs)
     if multi:
         for o, v in zip(outs, res):
             regs[o] = v
@@ -73,7 +89,7 @@ class PythonLoop:
 
     name = "python"
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, *, arena: bool = True):
         self.program = program
         template: list[Any] = [None] * program.n_regs
         for reg, obj in program.constants:
@@ -88,8 +104,22 @@ class PythonLoop:
                 continue
             fn = ins.target._op if isinstance(ins, Call) else ins.target
             loaded = _arg_loader(ins.args, ins.kwargs)
-            code.append((_CALL, fn, *loaded, ins.outputs, ins.multi, ins.node))
+            code.append((_CALL, ins.node, fn, loaded, ins.outputs, ins.multi))
         self.code = tuple(code)
+        self.arena = program.arena if arena else None
+        if self.arena is not None:
+            self.arena_code = tuple(
+                self._arena_instruction(ins, plain)
+                if isinstance(ins, Call) and ins.slot >= 0
+                else plain
+                for ins, plain in zip(program.code, self.code)
+            )
+            # Arenas not in use, one pool per inference mode (the tensors of an arena made in
+            # inference mode are inference tensors, which normal mode may not write).
+            self._pools: tuple[list, list] = ([], [])
+            self._constants_need_grad = any(
+                isinstance(c, torch.Tensor) and c.requires_grad for _, c in program.constants
+            )
         out = program.output
         if isinstance(out, (tuple, list)) and all(isinstance(o, Ref) for o in out):
             regs = tuple(o.id for o in out)
@@ -106,14 +136,56 @@ class PythonLoop:
             regs[r] = x
         return regs
 
+    @staticmethod
+    def _arena_instruction(ins: Call, plain: tuple) -> tuple:
+        if ins.out_target is None:
+            return (_ARENA, ins.node, plain, None, None, ins.slot)
+        loaded = _arg_loader(ins.out_args, ins.out_kwargs)
+        return (_ARENA, ins.node, plain, ins.out_target._op, loaded, ins.slot)
+
+    def take_arena(self, inputs: list[Any] | tuple[Any, ...]) -> list[Any] | None:
+        """An arena for this call from the pool (a new one when it is empty), or None when the
+        call must run without: there is none, autograd could record the call, or an input does
+        not have the size and dtype the graph was compiled for. The caller gives it back with
+        :meth:`give_back` once the call succeeded (an arena a failed call used is dropped).
+
+        Neither does a call that ``__torch_function__`` sees (a mode, a subclass input): it must
+        see the graph's own ops."""
+        arena = self.arena
+        if arena is None:
+            return None
+        if torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs):
+            return None
+        if torch.is_grad_enabled() and (
+            self._constants_need_grad
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+        ):
+            return None
+        for pos, shape, dtype in arena.input_guards:
+            x = inputs[pos]
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype:
+                return None
+        pool = self._pools[torch.is_inference_mode_enabled()]
+        try:
+            return pool.pop()
+        except IndexError:
+            return arena.allocate()
+
+    def give_back(self, tensors: list[Any] | None) -> None:
+        if tensors is not None:
+            self._pools[tensors[0].is_inference()].append(tensors)
+
     def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
         regs = self._registers(inputs)
+        arena = self.take_arena(inputs)
+        code = self.code if arena is None else self.arena_code
         pc = 0
         try:
-            for pc, ins in enumerate(self.code):  # noqa: B007 - pc names the failing instruction
-                _step(ins, regs)
+            for pc, ins in enumerate(code):  # noqa: B007 - pc names the failing instruction
+                _step(ins, regs, arena)
         except Exception as e:
             raise self.error(pc, regs, e) from e
+        self.give_back(arena)
         return self.build_output(regs)
 
     def run_observed(
@@ -129,25 +201,28 @@ class PythonLoop:
         The instrumented loop for profiling and memory measurement: ``__call__`` pays nothing for
         it."""
         regs = self._registers(inputs)
+        arena = self.take_arena(inputs)
+        code = self.code if arena is None else self.arena_code
         clock = time.perf_counter_ns
         pc = 0
         try:
-            for pc, ins in enumerate(self.code):  # noqa: B007
-                if ins[0] is not _CALL:
-                    _step(ins, regs)
+            for pc, ins in enumerate(code):  # noqa: B007
+                if ins[0] is _FREE:
+                    _step(ins, regs, arena)
                     continue
                 if names is not None:
-                    with torch.profiler.record_function(names[ins[-1]]):
+                    with torch.profiler.record_function(names[ins[1]]):
                         t0 = clock()
-                        _step(ins, regs)
+                        _step(ins, regs, arena)
                         t1 = clock()
                 else:
                     t0 = clock()
-                    _step(ins, regs)
+                    _step(ins, regs, arena)
                     t1 = clock()
-                after_node(ins[-1], regs, t0, t1)
+                after_node(ins[1], regs, t0, t1)
         except Exception as e:
             raise self.error(pc, regs, e) from e
+        self.give_back(arena)
         return self.build_output(regs)
 
     def run_timed(

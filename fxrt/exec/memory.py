@@ -3,7 +3,8 @@
 After each node runs (before the FREEs that follow it), the registers are scanned for tensors; each
 distinct storage that does not belong to a graph input or constant counts once with its size. The
 plan's prediction (``Plan.live_bytes``) is computed the same way from static metadata, so the two
-agree whenever every fresh storage has a static size.
+agree whenever every fresh storage has a static size. The replay runs without the arena: it
+measures what the values hold; the report gives the arena's size, held from call to call, apart.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def measure_live_bytes(program: Program, inputs: list[Any] | tuple[Any, ...]) ->
         _storages(regs, seen)
         live.append(sum(n for ptr, n in seen.items() if ptr not in owned and ptr != 0))
 
-    PythonLoop(program).run_observed(inputs, after_node)
+    PythonLoop(program, arena=False).run_observed(inputs, after_node)
     return live
 
 
@@ -53,6 +54,8 @@ class MemoryReport:
     peak_node: str
     peak_bytes: int  # the planned peak
     peak_values: tuple[tuple[str, int], ...]  # (value, bytes) of the storages live at the peak
+    arena_bytes: int = 0  # the arena's size: held from call to call, it serves these values
+    arena_values: int = 0  # how many values live in the arena
 
     def text(self, width: int = 40) -> str:
         top = max(self.planned + self.measured, default=0) or 1
@@ -62,6 +65,11 @@ class MemoryReport:
             lines.append(f"{name[:28]:<28} {p:>10} {m:>10}  {bar}")
         lines.append(f"peak: {self.peak_bytes} bytes after {self.peak_node}, made of:")
         lines += [f"  %{v}: {b} bytes" for v, b in self.peak_values]
+        if self.arena_bytes:
+            lines.append(
+                f"arena: {self.arena_bytes} bytes, held between calls, serving "
+                f"{self.arena_values} of these values"
+            )
         return "\n".join(lines)
 
     def plot(self, path: str) -> str:
@@ -114,6 +122,8 @@ def memory_report(cg: Any, inputs: list[Any] | tuple[Any, ...]) -> MemoryReport:
         peak_node=graph.nodes[peak_at].name if graph.nodes else "",
         peak_bytes=max(planned, default=0),
         peak_values=tuple(sorted(live, key=lambda x: -x[1])),
+        arena_bytes=cg.program.arena.nbytes if cg.program.arena is not None else 0,
+        arena_values=len(cg.program.arena.slots) if cg.program.arena is not None else 0,
     )
 
 

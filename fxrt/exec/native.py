@@ -10,6 +10,9 @@ in program order, so an instruction's index is the same in both loops:
 * ``PyCall`` -> a call back into Python inside the same loop.
 * ``Free`` -> registers reset.
 
+With an arena, the executor gets the arena's factory and input guards and each call its slot
+(see :mod:`fxrt.exec.arena`); it decides per call whether to use one, as the Python loop does.
+
 Loading: the extension is tied to the torch it was compiled against. This module imports it once,
 when it is imported itself, and :func:`extension_status` says whether it can be used and why not.
 The first time fxrt would have picked the compiled loop but cannot, :func:`native_available`
@@ -153,6 +156,15 @@ class NativeLoop(_Executor):
                 self.add_pycall(fn, args, kwargs, list(ins.outputs), ins.multi)
                 python_calls.append(ins.node)
         self.set_output(program.output)
+        if program.arena is not None:
+            guards = [
+                (pos, torch.empty(shape, dtype=dtype, device="meta"))
+                for pos, shape, dtype in program.arena.input_guards
+            ]
+            need_grad = any(
+                isinstance(c, torch.Tensor) and c.requires_grad for _, c in program.constants
+            )
+            self.set_arena(program.arena.allocate, guards, need_grad)
         self.set_names(
             [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
         )
@@ -162,7 +174,7 @@ class NativeLoop(_Executor):
 
     def _add_native_call(self, ins: Call) -> bool:
         schema = ins.target._schema
-        return self.add_call(
+        added = self.add_call(
             str(schema.name),
             schema.overload_name,
             tuple(ins.args),
@@ -170,6 +182,16 @@ class NativeLoop(_Executor):
             list(ins.outputs),
             ins.multi,
         )
+        if added and ins.slot >= 0:
+            out = ins.out_target._schema if ins.out_target is not None else None
+            self.set_arena_slot(
+                ins.slot,
+                str(out.name) if out else None,
+                out.overload_name if out else None,
+                tuple(ins.out_args),
+                dict(ins.out_kwargs or {}),
+            )
+        return added
 
     @property
     def fallbacks(self) -> tuple[str, ...]:

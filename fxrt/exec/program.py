@@ -7,6 +7,10 @@ A Program is a tuple of instructions over a register file indexed by value id:
   Python functions) inside the same loop;
 * ``Free``: release registers after their alias set's last use.
 
+A ``Call`` whose result has a slot in the Program's arena (:mod:`fxrt.exec.arena`) carries the
+slot and the ``out=`` overload that writes there (None for an allocation, which needs no call);
+a loop uses them when it runs the call with an arena, and the plain call otherwise.
+
 Everything the loop needs is resolved here, once: the op, constant arguments (kept in place), and
 register references (:class:`~fxrt.ir.Ref`). Constants the graph owns are preloaded registers.
 """
@@ -16,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..ir.graph import Graph, OpKind, Ref, refs_in
+from ..ir.graph import Graph, Op, OpKind, Ref, refs_in
 from ..ir.printer import format_arg, format_call
+from .arena import ArenaPlan, arena_call
 from .plan import Plan
 
 
@@ -38,6 +43,13 @@ class Call:
     kwargs: dict[str, Any]
     outputs: tuple[int, ...]
     multi: bool  # the op returns a sequence unpacked into ``outputs``
+    # With an arena: the result's slot (-1: none), and the call that writes the slot, its
+    # kwargs passing ``out`` as the result's own register, which holds the slot's tensor by then
+    # (``out_target`` None: an allocation, the slot itself is the result).
+    slot: int = -1
+    out_target: Any = None
+    out_args: tuple[Any, ...] = ()
+    out_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,7 @@ class Program:
     nodes: tuple[NodeInfo, ...]
     reg_names: tuple[str, ...]
     peak_bytes: int
+    arena: ArenaPlan | None = None
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -78,16 +91,21 @@ class Program:
         return program_to_text(self)
 
 
-def lower(graph: Graph, plan: Plan) -> Program:
-    """Emit the instruction tuple for ``graph``, with the FREEs ``plan`` places."""
+def lower(graph: Graph, plan: Plan, arena: ArenaPlan | None = None) -> Program:
+    """Emit the instruction tuple for ``graph``, with the FREEs ``plan`` places and the arena
+    slots ``arena`` assigns."""
     code: list[Instr] = []
     infos: list[NodeInfo] = []
+    slot_of = arena.slot_of() if arena is not None else {}
     for i, node in enumerate(graph.nodes):
         infos.append(NodeInfo(node.name, node.op.name, node.stack_trace))
-        cls = Call if node.op.kind is OpKind.ATEN else PyCall
-        code.append(
-            cls(i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
-        )
+        args = (i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
+        if node.op.kind is not OpKind.ATEN:
+            code.append(PyCall(*args))
+        elif node.outputs[0] in slot_of:
+            code.append(Call(*args, slot_of[node.outputs[0]], *arena_call(graph, node)))
+        else:
+            code.append(Call(*args))
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     return Program(
@@ -99,11 +117,14 @@ def lower(graph: Graph, plan: Plan) -> Program:
         nodes=tuple(infos),
         reg_names=tuple(v.name for v in graph.values),
         peak_bytes=plan.peak_bytes,
+        arena=arena,
     )
 
 
 def program_to_text(program: Program) -> str:
-    """The listing: one numbered line per instruction, FREEs included, then the fallbacks."""
+    """The listing: one numbered line per instruction, FREEs included, then the fallbacks.
+    A call whose result lives in the arena ends with ``-> arena[start:end] via <out= call>``, or
+    ``(no call)`` for an allocation, which takes the slot as it is."""
     names = dict(enumerate(program.reg_names))
     lines = [
         "program("
@@ -112,6 +133,8 @@ def program_to_text(program: Program) -> str:
     ]
     for r, c in program.constants:
         lines.append(f"  const  %{names[r]} = {format_arg(c)}")
+    if program.arena is not None:
+        lines.append(f"  arena  {program.arena.nbytes} bytes, {len(program.arena.slots)} slots")
     for pc, ins in enumerate(program.code):
         if isinstance(ins, Free):
             text = "FREE   " + ", ".join(f"%{names[r]}" for r in ins.regs)
@@ -125,6 +148,16 @@ def program_to_text(program: Program) -> str:
                 + f"{outs} = "
                 + format_call(program.nodes[ins.node].op, ins.args, ins.kwargs, names)
             )
+            if isinstance(ins, Call) and ins.slot >= 0:
+                slot = program.arena.slots[ins.slot]
+                text += f" -> arena[{slot.offset}:{slot.offset + slot.nbytes}]"
+                out_name = ins.out_target is not None and Op.of(ins.out_target).name
+                if ins.out_target is None:
+                    text += " (no call)"
+                elif ins.out_args == ins.args:  # the same arguments, then out=
+                    text += f" via {out_name}"
+                else:
+                    text += " via " + format_call(out_name, ins.out_args, ins.out_kwargs, names)
         lines.append(f"  {pc:>4}  {text}")
     lines.append(f"  return {format_arg(program.output, names)}")
     if program.fallbacks:

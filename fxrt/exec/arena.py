@@ -1,0 +1,289 @@
+"""Arena planning: intermediates written into one preallocated buffer, reused from call to call.
+
+Allocating each op's result costs more than many small ops themselves: a fresh ``TensorImpl``,
+its storage and a ``malloc`` per op (measured with ``callBoxed`` on a 1x64 tensor: ``sin`` 1.0 us,
+``sin.out`` into a kept tensor 0.6 us). Like Static Runtime, fxrt therefore gives the intermediates
+it can a place in an arena and calls the op's ``out=`` overload there:
+
+1. Candidates. A value gets a slot when it is a fresh storage (a lifetime-plan root) whose alias
+   set is not pinned (no graph input, constant or output ever shares it), on the CPU, with static
+   metadata, made by an ATen call that either allocates uninitialized memory (the ``empty``
+   family: no call at all, the slot is the result) or has an ``out=`` overload with a CPU kernel
+   of its own and exactly the functional overload's arguments plus ``out`` (``relu`` uses
+   ``clamp_min.out``, which is what ATen's relu calls). Random ops keep their functional call,
+   so their generator draws stay those of eager.
+2. Intervals. A slot is busy from the node that makes its value to the node after which the
+   lifetime plan frees the value's alias set (views of it extend it).
+3. Offsets: greedy by size, as in Static Runtime and TFLite: largest first, each at the lowest
+   64-byte aligned offset that overlaps no placed slot whose interval overlaps its own.
+   :func:`verify_arena` checks the result.
+
+At run time a loop takes an arena (one storage and a tensor per slot, made by
+:meth:`ArenaPlan.allocate`) from a pool when a call starts and puts it back when the call returns,
+so concurrent calls each have their own and no result a caller holds ever lives in one. A call
+runs without the arena (the plain functional ops) when autograd could record it, since ``out=``
+ops refuse inputs that require grad, or when an input's size or dtype is not the one the graph was
+compiled for. The arena stays allocated between calls: ``CompilerConfig(arena=False)`` (or
+``FXRT_ARENA=0``) turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..ir.graph import Graph, OpKind, Ref, ValueKind
+from ..ops.aliasing import is_collective
+from .plan import Plan
+
+ALIGNMENT = 64  # bytes; what PyTorch's CPU allocator guarantees for every allocation
+
+# Ops whose result is uninitialized memory: an arena slot serves as the result with no call.
+ALLOCATING_OPS = frozenset(
+    {
+        "aten::empty.memory_format",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one value lives in the arena, and the tensor made there for it."""
+
+    value: int  # the value id it holds
+    offset: int  # bytes from the arena's start
+    nbytes: int  # the value's storage bytes
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    first: int  # node index that makes the value
+    last: int  # node index after which its alias set is freed
+
+
+@dataclass(frozen=True)
+class ArenaPlan:
+    """The arena of one compiled graph: its size and a slot per value placed in it."""
+
+    nbytes: int
+    slots: tuple[Slot, ...]
+    # Per graph input position with static tensor metadata: (shape, dtype) a call must match to
+    # use the arena.
+    input_guards: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
+
+    def slot_of(self) -> dict[int, int]:
+        """Value id -> slot index."""
+        return {s.value: i for i, s in enumerate(self.slots)}
+
+    def allocate(self) -> list[torch.Tensor]:
+        """One arena: a CPU buffer of ``nbytes`` and one tensor per slot, in slot order.
+
+        Each slot's tensor has a storage of its own that views its bytes of the buffer, so it
+        looks like a fresh result: storage offset 0 (``as_strided`` offsets are absolute),
+        storage size the value's, and not resizable (an ``out=`` kernel that would resize it
+        fails, and the plain call runs instead)."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8).untyped_storage()
+        tensors = []
+        for s in self.slots:
+            t = torch.empty(0, dtype=s.dtype)
+            t.set_(buffer[s.offset : s.offset + s.nbytes], 0, s.shape, s.stride)
+            tensors.append(t)
+        return tensors
+
+    def live_bytes(self, plan: Plan) -> list[int]:
+        """``plan.live_bytes`` with the arena counted instead of the values it holds: the bytes
+        held after each node when the arena is used (static plans only)."""
+        out = []
+        for i, b in enumerate(plan.live_bytes):
+            if not isinstance(b, int):
+                raise ValueError("live_bytes with an arena needs a static plan")
+            inside = sum(s.nbytes for s in self.slots if s.first <= i <= s.last)
+            out.append(b - inside + self.nbytes)
+        return out
+
+    def text(self, names: dict[int, str] | None = None) -> str:
+        lines = [f"arena: {self.nbytes} bytes, {len(self.slots)} slots"]
+        for i, s in enumerate(self.slots):
+            name = names[s.value] if names else str(s.value)
+            lines.append(
+                f"  slot {i}: %{name} [{s.offset}, {s.offset + s.nbytes}) nodes {s.first}..{s.last}"
+            )
+        return "\n".join(lines)
+
+
+class ArenaError(AssertionError):
+    """An arena plan that breaks its invariants (a bug in the planner)."""
+
+
+@functools.cache
+def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The ``out=`` overload that computes what ``op`` does into a given tensor, or None.
+
+    It must take exactly ``op``'s arguments (names, types, kinds and defaults) plus one
+    kwarg-only ``Tensor(a!) out``, and have a CPU kernel of its own: the generated ``out=``
+    overloads that call the functional op and copy its result would only add a copy.
+    """
+    schema = op._schema
+    if len(schema.returns) != 1 or not isinstance(schema.returns[0].type, torch.TensorType):
+        return None
+    if schema.returns[0].alias_info is not None or schema.is_mutable:
+        return None
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return None
+    want = [_arg_key(a) for a in schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        if name != "out" and not name.endswith("_out"):
+            continue
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        if len(args) != len(want) + 1 or [_arg_key(a) for a in args[:-1]] != want:
+            continue
+        out = args[-1]
+        if not (
+            out.kwarg_only
+            and isinstance(out.type, torch.TensorType)
+            and out.alias_info is not None
+            and out.alias_info.is_write
+            and len(cand._schema.returns) == 1
+        ):
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(cand.name(), "CPU"):
+            return cand
+    return None
+
+
+def _arg_key(a: torch.Argument) -> tuple:
+    return (a.name, str(a.type), a.kwarg_only, repr(a.default_value))
+
+
+def _placeable(graph: Graph, vid: int) -> bool:
+    v = graph.values[vid]
+    meta = v.meta
+    return (
+        v.kind is ValueKind.TENSOR
+        and meta is not None
+        and meta.is_static
+        and meta.device == "cpu"
+        and isinstance(meta.storage_nbytes, int)
+        and meta.storage_nbytes > 0
+        and meta.dtype not in _QUANTIZED
+    )
+
+
+def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
+    """How ``node`` writes its result into an arena slot: ``(out= overload, args, kwargs)``
+    whose kwargs pass ``out`` as the node's own result register (the loop puts the slot's tensor
+    there first), ``(None, (), {})`` for an allocation, which needs no call, or None when it
+    cannot."""
+    if node.op.kind is not OpKind.ATEN or node.multi or is_collective(node.op.name):
+        return None
+    if node.op.name in ALLOCATING_OPS:
+        return None if node.kwargs.get("pin_memory") is True else (None, (), {})
+    result = Ref(node.outputs[0])
+    if node.op.name == "aten::relu":
+        # ATen's relu is clamp_min(self, 0) (it only refuses bool), and relu's own out=
+        # overload is a generated one that copies.
+        if graph.values[node.outputs[0]].meta.dtype is torch.bool:
+            return None
+        return torch.ops.aten.clamp_min.out, (node.args[0], 0), {"out": result}
+    out = out_variant(node.op.target)
+    if out is None:
+        return None
+    return out, node.args, {**node.kwargs, "out": result}
+
+
+def plan_arena(graph: Graph, plan: Plan) -> ArenaPlan | None:
+    """Place what can live in an arena (see the module docstring); None when nothing can."""
+    free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
+    items = []
+    for i, node in enumerate(graph.nodes):
+        if len(node.outputs) != 1:
+            continue
+        vid = node.outputs[0]
+        if vid not in plan.roots or vid in plan.pinned or vid not in free_at:
+            continue
+        if not _placeable(graph, vid) or arena_call(graph, node) is None:
+            continue
+        meta = graph.values[vid].meta
+        items.append((vid, int(meta.storage_nbytes), i, free_at[vid]))
+    if not items:
+        return None
+    placed: list[Slot] = []
+    for vid, nbytes, first, last in sorted(items, key=lambda it: (-it[1], it[2])):
+        busy = sorted(
+            (s.offset, s.offset + s.nbytes) for s in placed if s.first <= last and first <= s.last
+        )
+        offset = 0
+        for lo, hi in busy:
+            if offset + nbytes <= lo:
+                break
+            offset = max(offset, _align(hi))
+        meta = graph.values[vid].meta
+        placed.append(
+            Slot(
+                vid, offset, nbytes, tuple(meta.shape), tuple(meta.stride), meta.dtype, first, last
+            )
+        )
+    slots = tuple(sorted(placed, key=lambda s: s.first))
+    guards = []
+    for pos, vid in enumerate(graph.inputs):
+        v = graph.values[vid]
+        if v.kind is ValueKind.TENSOR and v.meta is not None and v.meta.is_static:
+            guards.append((pos, tuple(v.meta.shape), v.meta.dtype))
+    return ArenaPlan(
+        nbytes=_align(max(s.offset + s.nbytes for s in slots)),
+        slots=slots,
+        input_guards=tuple(guards),
+    )
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def verify_arena(graph: Graph, plan: Plan, arena: ArenaPlan) -> None:
+    """Check the arena's invariants: every slot inside the arena and aligned, holding a value the
+    lifetime plan frees no earlier than the slot's interval says, and no two slots whose
+    intervals overlap sharing a byte.
+
+    Raises:
+        ArenaError: naming the values involved.
+    """
+    free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
+    name = {v.id: v.name for v in graph.values}
+    for s in arena.slots:
+        if s.offset % ALIGNMENT or s.offset < 0 or s.offset + s.nbytes > arena.nbytes:
+            raise ArenaError(f"slot of %{name[s.value]} at {s.offset}+{s.nbytes} is misplaced")
+        if s.value in plan.pinned or free_at.get(s.value, -1) > s.last:
+            raise ArenaError(f"%{name[s.value]} outlives its arena slot")
+        if graph.nodes[s.first].outputs != [s.value]:
+            raise ArenaError(f"slot of %{name[s.value]}: node {s.first} does not make it")
+    for i, a in enumerate(arena.slots):
+        for b in arena.slots[i + 1 :]:
+            live_together = a.first <= b.last and b.first <= a.last
+            share = a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+            if live_together and share:
+                raise ArenaError(
+                    f"%{name[a.value]} and %{name[b.value]} are live together and overlap "
+                    "in the arena"
+                )
+
+
+__all__ = [
+    "ALLOCATING_OPS",
+    "ArenaError",
+    "ArenaPlan",
+    "Slot",
+    "arena_call",
+    "out_variant",
+    "plan_arena",
+    "verify_arena",
+]
