@@ -299,7 +299,8 @@ def test_model_matches_eager_and_runs_in_fxrt(name, executor):
     natives = {i.target for i in cg.program.code if isinstance(i, Call)}
     assert torch.ops.aten.empty_strided.default in natives
     if name != "W1":
-        assert torch.ops.aten.as_strided.default in natives
+        # Views of weights and buffers are Inductor's raw reinterpret_tensor aliases.
+        assert torch.ops.inductor._reinterpret_tensor.default in natives
         assert natives & {
             torch.ops.aten.addmm.default,  # an allocation folded into addmm.out
             torch.ops.aten.addmm.out,
@@ -496,6 +497,46 @@ def test_views_the_host_graph_does_not_need_are_dropped():
     assert kernel.args == (base, shifted)  # pointer arg at its input's offset: the input itself
     output = next(iter(gm.graph.find_nodes(op="output")))
     assert output.args[0] == (reader, kernel, out)  # identity views the caller gets are kept
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_views_become_reinterpret_tensor_with_relative_offsets(executor):
+    from fxrt.inductor.host_graph import use_reinterpret_views
+
+    skip_unless_executor(executor)
+    aten = torch.ops.aten
+    graph, add = _fake_graph()
+    storage = torch.randn(32)
+    base_val = storage[4:20]  # an input at storage offset 4
+    base = add("base", val=base_val)
+    weight_t = add(aten.as_strided.default, base, [4, 4], [1, 4], 4, val=base_val.view(4, 4).t())
+    shifted = add(aten.as_strided.default, base, [2, 4], [4, 1], 12, val=base_val[8:].view(2, 4))
+    prod = add(aten.mm.default, weight_t, weight_t, val=torch.empty(4, 4))
+    graph.output((prod, shifted))  # ``shifted`` is returned: it stays a real view
+    gm = torch.fx.GraphModule({}, graph)
+    x = torch.randn(32)[4:20]
+    expected = gm(x)
+    assert use_reinterpret_views(gm) == 1
+    assert weight_t.target is torch.ops.inductor._reinterpret_tensor.default
+    assert weight_t.args == (base, [4, 4], [1, 4], 0)  # absolute 4 minus the base's 4
+    assert shifted.target is aten.as_strided.default
+    cg = fxrt.compile_graph(gm, [base_val], fxrt.CompilerConfig(pure_python=executor == "python"))
+    assert cg.executor == executor
+    torch.testing.assert_close(cg(x), expected)
+    # Under a TorchDispatchMode the alias is the op's own call, which the mode sees.
+    with LoggingDispatchMode() as mode:
+        torch.testing.assert_close(cg(x), expected)
+    assert "inductor._reinterpret_tensor.default" in mode.seen
+
+
+class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 # --- device-library fused kernels --------------------------------------------------------------

@@ -28,6 +28,7 @@
 #include "convert.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -107,6 +108,9 @@ struct CallOp {
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
   int64_t arena_slot = -1;  // the result's arena slot, or -1
   std::shared_ptr<const CallOp> out_call;  // writes the slot; null: the slot is the result
+  // inductor::_reinterpret_tensor with constant sizes, strides and offset: made inline.
+  std::optional<std::vector<int64_t>> reinterpret_sizes, reinterpret_strides;
+  int64_t reinterpret_offset = 0;
 };
 
 using Arena = std::vector<at::Tensor>;
@@ -269,6 +273,53 @@ inline bool bind_slot(
   return true;
 }
 
+// Inductor's reinterpret_tensor (torch/csrc/inductor/inductor_ops.cpp): a new TensorImpl on the
+// same storage, the offset an increment of self's; no view tracking, as in Inductor's own Python
+// wrapper. Its dispatcher round trip costs several times the alias itself (fxrt's Inductor host
+// graphs make one per weight and buffer view), so a call with constant geometry is made inline.
+inline void bind_reinterpret(CallOp& call) {
+  const c10::FunctionSchema& schema = call.op.schema();
+  if (schema.name() != "inductor::_reinterpret_tensor" || !schema.overload_name().empty() ||
+      call.slots.size() != 4 || call.slots[0].kind != Slot::REG) {
+    return;
+  }
+  const IValue& sizes = call.slots[1].value;
+  const IValue& strides = call.slots[2].value;
+  const IValue& offset = call.slots[3].value;
+  if (call.slots[1].kind != Slot::CONST || call.slots[2].kind != Slot::CONST ||
+      call.slots[3].kind != Slot::CONST || !sizes.isIntList() || !strides.isIntList() ||
+      !offset.isInt()) {
+    return;
+  }
+  call.reinterpret_sizes = sizes.toIntVector();
+  call.reinterpret_strides = strides.toIntVector();
+  call.reinterpret_offset = offset.toInt();
+}
+
+// The inline reinterpret_tensor; false when the dispatcher would route the call anywhere but the
+// op's own kernel (a TorchDispatchMode, a subclass or functional tensor) or the register does
+// not hold a plain strided tensor: the dispatcher then runs the op.
+inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
+  const IValue& v = regs[static_cast<size_t>(call.slots[0].reg)];
+  if (!v.isTensor() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+    return false;
+  }
+  const at::Tensor& self = v.toTensor();
+  // Functionality keys only: a backend key such as Meta would also match every dense tensor.
+  constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  if (!self.defined() || self.layout() != c10::kStrided || !self.has_storage() ||
+      self.key_set().has_any(wrapped)) {
+    return false;
+  }
+  at::Tensor alias = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(self.storage()), self.key_set(), self.dtype());
+  c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
+  impl->set_storage_offset(self.storage_offset() + call.reinterpret_offset);
+  impl->set_sizes_and_strides(*call.reinterpret_sizes, *call.reinterpret_strides);
+  regs[static_cast<size_t>(call.outputs[0])] = std::move(alias);
+  return true;
+}
+
 // Resolve a Program Call. nullopt when the op is not in the dispatcher or the call does not bind
 // to its schema: the caller then runs it as a Python call, which fails (or not) exactly as the
 // Python loop does.
@@ -322,6 +373,7 @@ inline std::optional<CallOp> bind_call(
   if (kwargs_used != PyDict_GET_SIZE(kwargs)) {
     return std::nullopt;
   }
+  bind_reinterpret(call);
   return call;
 }
 
@@ -493,6 +545,9 @@ inline void run_call(
     } catch (const std::exception&) {
       // The plain call below runs it instead, and raises its own error if any.
     }
+  }
+  if (call.reinterpret_sizes.has_value() && run_reinterpret(call, regs)) {
+    return;
   }
   stack.clear();
   push_arguments(call, regs, stack, gil);

@@ -23,7 +23,13 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
    its input; and a view passed to a C++ kernel for a pointer parameter, at its input's offset, is
    its input as far as the kernel can tell (it reads only the data pointer). Views the caller
    receives are kept, so it never gets another value's tensor object; unused views are erased.
-4. Compile with :func:`fxrt.compile_graph`, without fxrt's on-disk cache: the graph calls
+4. Make the views no caller receives what they are in Inductor's own Python wrapper:
+   ``reinterpret_tensor`` (``inductor._reinterpret_tensor``), a raw alias with no view tracking
+   and an offset relative to its base's. The converter's ``as_strided`` offsets are absolute, the
+   base's traced offset added in, so that offset is taken back out. The compiled loop makes these
+   aliases inline, without a dispatcher round trip (the weights' views cost most there: as
+   views of normal tensors they go through autograd's view tracking).
+5. Compile with :func:`fxrt.compile_graph`, without fxrt's on-disk cache: the graph calls
    generated kernels, which the artifact format cannot name, so it would never be stored.
 
 Why fxrt's passes and lifetime plan are safe on this graph: Inductor's kernels return nothing and
@@ -294,6 +300,33 @@ def simplify_views(gm: torch.fx.GraphModule) -> int:
     return erased
 
 
+def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
+    """Turn the ``as_strided`` views no caller receives into Inductor's ``reinterpret_tensor``
+    (step 4 of the module docstring), in place, where the geometry is static.
+
+    Returns:
+        How many views were rewritten.
+    """
+    changed = 0
+    for view in gm.graph.nodes:
+        if view.op != "call_function" or view.target is not aten.as_strided.default:
+            continue
+        if len(view.args) != 4 or view.kwargs or _returned(view):
+            continue
+        base, sizes, strides, offset = view.args
+        geometry = _geometry(base.meta.get("val")) if isinstance(base, torch.fx.Node) else None
+        if geometry is None or _static_ints(sizes) is None or _static_ints(strides) is None:
+            continue
+        if type(offset) is not int:
+            continue
+        view.target = torch.ops.inductor._reinterpret_tensor.default
+        view.args = (base, list(sizes), list(strides), offset - geometry[2])
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def compile_host_graph(gm: torch.fx.GraphModule, config: CompilerConfig) -> CompiledGraph:
     """Compile Inductor's FX host graph ``gm`` with fxrt (rewriting it in place first).
 
@@ -307,6 +340,7 @@ def compile_host_graph(gm: torch.fx.GraphModule, config: CompilerConfig) -> Comp
     rewrite_to_native(gm)
     use_functional_variants(gm)
     simplify_views(gm)
+    use_reinterpret_views(gm)
     cg = compile_graph(gm, None, dataclasses.replace(config, cache=False))
     stats["host_graphs"] += 1
     with _compiled_lock:
@@ -350,4 +384,5 @@ __all__ = [
     "simplify_views",
     "stats",
     "use_functional_variants",
+    "use_reinterpret_views",
 ]

@@ -27,8 +27,9 @@ def bind_schema_args(schema: torch.FunctionSchema, args: tuple, kwargs: dict) ->
 
 
 # Ops whose schema has no alias annotation but whose result shares its first argument's storage.
-# ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a temporary).
-UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view"})
+# ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a temporary);
+# Inductor's ``reinterpret_tensor`` is a raw alias with no view tracking at all.
+UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view", "inductor::_reinterpret_tensor"})
 
 # torch.distributed collectives, as Dynamo and DTensor capture them. Their schemas carry no alias
 # annotations, yet a collective may read its input and fill its output asynchronously until the
