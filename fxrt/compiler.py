@@ -13,7 +13,7 @@ import torch.fx
 from . import cache, profiler
 from .config import CompilerConfig
 from .dump import Dumper
-from .exec.arena import plan_arena, verify_arena
+from .exec.arena import inline_views, plan_arena, verify_arena
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan, plan_lifetimes
@@ -233,10 +233,13 @@ def _compile(
 
 def _lower(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
     """The Program, with an arena when the config asks for one and anything fits in it."""
-    arena = plan_arena(graph, plan) if config.arena else None
+    if not config.arena:
+        return lower(graph, plan)
+    views = inline_views(graph)
+    arena = plan_arena(graph, plan, views)
     if arena is not None and config.verify:
         verify_arena(graph, plan, arena)
-    return lower(graph, plan, arena)
+    return lower(graph, plan, arena, views if arena is not None else frozenset())
 
 
 def get_compiler(

@@ -223,3 +223,29 @@ def test_memory_report_names_the_arena():
     assert report.arena_bytes == 192 and report.arena_values == 6
     assert "arena: 192 bytes, held between calls, serving 6 of these values" in report.text()
     assert list(report.measured) == list(report.planned)
+
+
+def test_views_read_only_inside_the_graph_are_made_inline():
+    def f(x, w):
+        a = (x @ w.t()).view(2, 2, 4)  # t of an input, view of a result
+        b = a.transpose(-1, 0).permute(2, 0, 1).sum(0)  # negative and permuted dims
+        c = torch.ones(5).t() * 2  # t of a 1-d tensor is itself
+        d = x.view(-1)  # returned: stays a real view
+        e = (x * 1).transpose(0, 1)
+        e.add_(1)  # written: stays a real view
+        return b, c, d, e
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    cg = compile_fn(f, x, w)
+    listing = str(cg.program)
+    inline = {line.split("=")[0].split()[-1] for line in listing.splitlines() if "(inline)" in line}
+    assert {"%t", "%view", "%transpose", "%permute"} <= inline
+    assert not {"%view_1", "%transpose_1"} & inline, listing
+    for loop in loops(cg.program):
+        for ctx in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+            with ctx():
+                got = loop([x.clone(), w.clone()])
+                want = f(x.clone(), w.clone())
+            torch.testing.assert_close(got, want)
+            # the returned view is a view of its input exactly as in eager
+            assert (got[2]._base is None) == (want[2]._base is None)

@@ -35,7 +35,7 @@ def test_chain_frees_each_intermediate_after_its_last_use():
              0  CALL   %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
              1  CALL   %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu)
              2  FREE   %mm
-             3  CALL   %t = aten::t(%relu)
+             3  CALL   %t = aten::t(%relu) (inline)
              4  CALL   %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out
              5  FREE   %relu, %t
              6  CALL   %sigmoid = aten::sigmoid(%x_1)

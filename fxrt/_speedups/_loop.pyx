@@ -48,6 +48,7 @@ cdef extern from "loop.h":
             int64_t slot, object out_name, object out_overload, object out_args, object out_kwargs
         ) except +set_python_error
         void set_arena(object factory, object guards, cbool constants_need_grad) except +set_python_error
+        cbool set_inline_view() except +set_python_error
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
@@ -109,6 +110,11 @@ cdef class Executor:
         ``out_name.out_overload(*out_args, **out_kwargs)`` whose ``out`` reads the result's
         register (``out_name`` None: an allocation, no call). False if it cannot be bound."""
         return self._impl().set_arena_slot(slot, out_name, out_overload, out_args, out_kwargs)
+
+    def set_inline_view(self):
+        """Let the call just added be made inline as a view on calls that use the arena (no
+        autograd); False if it cannot be."""
+        return self._impl().set_inline_view()
 
     def set_arena(self, factory, list guards, cbool constants_need_grad):
         """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); ``guards``

@@ -27,6 +27,8 @@
 
 #include "convert.h"
 
+#include <ATen/InferSize.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
@@ -111,6 +113,11 @@ struct CallOp {
   // inductor::_reinterpret_tensor with constant sizes, strides and offset: made inline.
   std::optional<std::vector<int64_t>> reinterpret_sizes, reinterpret_strides;
   int64_t reinterpret_offset = 0;
+  // A view made inline on calls without autograd (fxrt/exec/arena.py: inline_views), with its
+  // constant arguments: view's sizes or permute's dims in `view_ints`, transpose's dims.
+  enum class View : uint8_t { NONE, VIEW, T, TRANSPOSE, PERMUTE } view = View::NONE;
+  std::vector<int64_t> view_ints;
+  int64_t view_dim0 = 0, view_dim1 = 0;
 };
 
 using Arena = std::vector<at::Tensor>;
@@ -273,6 +280,34 @@ inline bool bind_slot(
   return true;
 }
 
+// A tensor the dispatcher would hand straight to its CPU (or other backend) kernel: no dispatch
+// mode active, no subclass, no functional wrapper, and strided with a storage.
+inline bool plain_tensor(const IValue& v) {
+  if (!v.isTensor() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+    return false;
+  }
+  const at::Tensor& self = v.toTensor();
+  // Functionality keys only: a backend key such as Meta would also match every dense tensor.
+  constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  return self.defined() && self.layout() == c10::kStrided && self.has_storage() &&
+      !self.key_set().has_any(wrapped);
+}
+
+// A new TensorImpl on `self`'s storage with the given geometry, as ATen's CPU view kernels make
+// it (alias_with_sizes_and_strides), without autograd's view tracking.
+inline at::Tensor raw_alias(
+    const at::Tensor& self,
+    c10::IntArrayRef sizes,
+    c10::IntArrayRef strides,
+    int64_t storage_offset) {
+  at::Tensor alias = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(self.storage()), self.key_set(), self.dtype());
+  c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
+  impl->set_storage_offset(storage_offset);
+  impl->set_sizes_and_strides(sizes, strides);
+  return alias;
+}
+
 // Inductor's reinterpret_tensor (torch/csrc/inductor/inductor_ops.cpp): a new TensorImpl on the
 // same storage, the offset an increment of self's; no view tracking, as in Inductor's own Python
 // wrapper. Its dispatcher round trip costs several times the alias itself (fxrt's Inductor host
@@ -301,22 +336,114 @@ inline void bind_reinterpret(CallOp& call) {
 // not hold a plain strided tensor: the dispatcher then runs the op.
 inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
   const IValue& v = regs[static_cast<size_t>(call.slots[0].reg)];
-  if (!v.isTensor() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+  if (!plain_tensor(v)) {
     return false;
   }
   const at::Tensor& self = v.toTensor();
-  // Functionality keys only: a backend key such as Meta would also match every dense tensor.
-  constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
-  if (!self.defined() || self.layout() != c10::kStrided || !self.has_storage() ||
-      self.key_set().has_any(wrapped)) {
+  regs[static_cast<size_t>(call.outputs[0])] = raw_alias(
+      self, *call.reinterpret_sizes, *call.reinterpret_strides,
+      self.storage_offset() + call.reinterpret_offset);
+  return true;
+}
+
+// Mark `call` as an inline view if its op is one and its other arguments are constants.
+inline void bind_inline_view(CallOp& call) {
+  const c10::FunctionSchema& schema = call.op.schema();
+  const std::string& name = schema.name();
+  const std::string& overload = schema.overload_name();
+  const auto& slots = call.slots;
+  if (slots.empty() || slots[0].kind != Slot::REG || call.multi) {
+    return;
+  }
+  auto const_ints = [&](size_t i) {
+    return slots.size() > i && slots[i].kind == Slot::CONST && slots[i].value.isIntList();
+  };
+  auto const_int = [&](size_t i) {
+    return slots.size() > i && slots[i].kind == Slot::CONST && slots[i].value.isInt();
+  };
+  if ((name == "aten::view" || name == "aten::_unsafe_view") && overload.empty() &&
+      const_ints(1)) {
+    call.view = CallOp::View::VIEW;
+    call.view_ints = slots[1].value.toIntVector();
+  } else if (name == "aten::permute" && overload.empty() && const_ints(1)) {
+    call.view = CallOp::View::PERMUTE;
+    call.view_ints = slots[1].value.toIntVector();
+  } else if (name == "aten::t" && overload.empty()) {
+    call.view = CallOp::View::T;
+  } else if (name == "aten::transpose" && overload == "int" && const_int(1) && const_int(2)) {
+    call.view = CallOp::View::TRANSPOSE;
+    call.view_dim0 = slots[1].value.toInt();
+    call.view_dim1 = slots[2].value.toInt();
+  }
+}
+
+// The inline view; false when the dispatcher must run the op (not a plain tensor, a view the
+// sizes cannot express, a dimension out of range: it then raises the op's own error).
+inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
+  const IValue& v = regs[static_cast<size_t>(call.slots[0].reg)];
+  if (!plain_tensor(v)) {
     return false;
   }
-  at::Tensor alias = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(self.storage()), self.key_set(), self.dtype());
-  c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
-  impl->set_storage_offset(self.storage_offset() + call.reinterpret_offset);
-  impl->set_sizes_and_strides(*call.reinterpret_sizes, *call.reinterpret_strides);
-  regs[static_cast<size_t>(call.outputs[0])] = std::move(alias);
+  const at::Tensor& self = v.toTensor();
+  const int64_t ndim = self.dim();
+  c10::DimVector sizes(self.sizes().begin(), self.sizes().end());
+  c10::DimVector strides(self.strides().begin(), self.strides().end());
+  auto wrap = [ndim](int64_t d) -> std::optional<int64_t> {
+    int64_t n = std::max<int64_t>(ndim, 1);
+    if (d < -n || d >= n) {
+      return std::nullopt;
+    }
+    return d < 0 ? d + n : d;
+  };
+  switch (call.view) {
+    case CallOp::View::NONE:
+      return false;
+    case CallOp::View::VIEW: {
+      at::DimVector shape = at::infer_size_dv(call.view_ints, self.numel());
+      std::optional<at::DimVector> st = at::detail::computeStride(self.sizes(), self.strides(), shape);
+      if (!st.has_value()) {
+        return false;
+      }
+      sizes.assign(shape.begin(), shape.end());
+      strides.assign(st->begin(), st->end());
+      break;
+    }
+    case CallOp::View::T:
+    case CallOp::View::TRANSPOSE: {
+      if (call.view == CallOp::View::T && ndim > 2) {
+        return false;
+      }
+      if (ndim < 2) {
+        break;  // t and transpose of a 0-d or 1-d tensor alias it as it is
+      }
+      std::optional<int64_t> a = call.view == CallOp::View::T ? 0 : wrap(call.view_dim0);
+      std::optional<int64_t> b = call.view == CallOp::View::T ? 1 : wrap(call.view_dim1);
+      if (!a.has_value() || !b.has_value()) {
+        return false;
+      }
+      std::swap(sizes[*a], sizes[*b]);
+      std::swap(strides[*a], strides[*b]);
+      break;
+    }
+    case CallOp::View::PERMUTE: {
+      if (static_cast<int64_t>(call.view_ints.size()) != ndim) {
+        return false;
+      }
+      std::vector<bool> seen(static_cast<size_t>(ndim), false);
+      for (int64_t i = 0; i < ndim; ++i) {
+        std::optional<int64_t> d = wrap(call.view_ints[static_cast<size_t>(i)]);
+        if (!d.has_value() || seen[static_cast<size_t>(*d)]) {
+          return false;
+        }
+        seen[static_cast<size_t>(*d)] = true;
+        sizes[static_cast<size_t>(i)] = self.sizes()[*d];
+        strides[static_cast<size_t>(i)] = self.strides()[*d];
+      }
+      break;
+    }
+  }
+  regs[static_cast<size_t>(call.outputs[0])] =
+      raw_alias(self, sizes, strides, self.storage_offset());
   return true;
 }
 
@@ -547,6 +674,9 @@ inline void run_call(
     }
   }
   if (call.reinterpret_sizes.has_value() && run_reinterpret(call, regs)) {
+    return;
+  }
+  if (arena != nullptr && call.view != CallOp::View::NONE && run_inline_view(call, regs)) {
     return;
   }
   stack.clear();

@@ -168,6 +168,17 @@ class Executor {
     return true;
   }
 
+  // Let the CALL just added be made inline as a view on calls with an arena (see
+  // bind_inline_view); false when it cannot be.
+  bool set_inline_view() {
+    if (code_.empty() || code_.back().kind != Instr::CALL) {
+      return false;
+    }
+    CallOp& call = calls_.at(code_.back().index);
+    bind_inline_view(call);
+    return call.view != CallOp::View::NONE;
+  }
+
   void add_pycall(
       PyObject* fn,
       PyObject* args,

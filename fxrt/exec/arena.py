@@ -18,6 +18,13 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    64-byte aligned offset that overlaps no placed slot whose interval overlaps its own.
    :func:`verify_arena` checks the result.
 
+4. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
+   ``transpose``, ``permute``) whose value never leaves the graph, is never written and is only
+   read by ops that return fresh results, or by such views, needs no view tracking: the compiled
+   loop makes it as the op's CPU kernel does (a new TensorImpl on the same storage, geometry
+   computed from the actual input) without the dispatcher and autograd's view layer.
+   :func:`inline_views` picks them.
+
 At run time a loop takes an arena (one storage and a tensor per slot, made by
 :meth:`ArenaPlan.allocate`) from a pool when a call starts and puts it back when the call returns,
 so concurrent calls each have their own and no result a caller holds ever lives in one. A call
@@ -36,7 +43,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Graph, OpKind, Ref, ValueKind
-from ..ops.aliasing import is_collective
+from ..ops.aliasing import is_collective, output_aliases
 from .plan import Plan
 
 ALIGNMENT = 64  # bytes; what PyTorch's CPU allocator guarantees for every allocation
@@ -68,9 +75,16 @@ class Slot:
     last: int  # node index after which its alias set is freed
 
 
+# The views a loop may make inline on calls without autograd (see the module docstring).
+INLINE_VIEW_OPS = frozenset(
+    {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose.int", "aten::permute"}
+)
+
+
 @dataclass(frozen=True)
 class ArenaPlan:
-    """The arena of one compiled graph: its size and a slot per value placed in it."""
+    """The arena of one compiled graph: its size and a slot per value placed in it (possibly
+    none: a graph whose only gain on calls without autograd is its inline views)."""
 
     nbytes: int
     slots: tuple[Slot, ...]
@@ -200,8 +214,9 @@ def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
     return out, node.args, {**node.kwargs, "out": result}
 
 
-def plan_arena(graph: Graph, plan: Plan) -> ArenaPlan | None:
-    """Place what can live in an arena (see the module docstring); None when nothing can."""
+def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) -> ArenaPlan | None:
+    """Place what can live in an arena (see the module docstring); None when nothing can and
+    there are no inline ``views`` (node indices) either."""
     free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
     items = []
     for i, node in enumerate(graph.nodes):
@@ -214,7 +229,7 @@ def plan_arena(graph: Graph, plan: Plan) -> ArenaPlan | None:
             continue
         meta = graph.values[vid].meta
         items.append((vid, int(meta.storage_nbytes), i, free_at[vid]))
-    if not items:
+    if not items and not views:
         return None
     placed: list[Slot] = []
     for vid, nbytes, first, last in sorted(items, key=lambda it: (-it[1], it[2])):
@@ -239,10 +254,41 @@ def plan_arena(graph: Graph, plan: Plan) -> ArenaPlan | None:
         if v.kind is ValueKind.TENSOR and v.meta is not None and v.meta.is_static:
             guards.append((pos, tuple(v.meta.shape), v.meta.dtype))
     return ArenaPlan(
-        nbytes=_align(max(s.offset + s.nbytes for s in slots)),
+        nbytes=_align(max((s.offset + s.nbytes for s in slots), default=0)),
         slots=slots,
         input_guards=tuple(guards),
     )
+
+
+def inline_views(graph: Graph) -> frozenset[int]:
+    """Indices of the view nodes a loop may make inline on calls without autograd: an
+    ``INLINE_VIEW_OPS`` call on a CPU tensor whose result is no graph output and whose every
+    user either is such a view itself or reads it and returns fresh results without writing
+    anything (so the view is never written, returned or kept by a result)."""
+    users: dict[int, list[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        for vid in set(node.input_ids()):
+            users.setdefault(vid, []).append(i)
+    outputs = set(graph.output_ids())
+    chosen: set[int] = set()
+    for i in range(len(graph.nodes) - 1, -1, -1):  # users first
+        node = graph.nodes[i]
+        if node.op.name not in INLINE_VIEW_OPS or len(node.outputs) != 1:
+            continue
+        vid = node.outputs[0]
+        meta = graph.values[vid].meta
+        if vid in outputs or meta is None or meta.device != "cpu":
+            continue
+        if all(u in chosen or _only_reads(graph, graph.nodes[u]) for u in users.get(vid, ())):
+            chosen.add(i)
+    return frozenset(chosen)
+
+
+def _only_reads(graph: Graph, node: Any) -> bool:
+    """An ATen call that writes none of its arguments and whose results alias none of them."""
+    if node.op.kind is not OpKind.ATEN or is_collective(node.op.name) or node.op.schema.is_mutable:
+        return False
+    return not any(output_aliases(graph, node))
 
 
 def _align(n: int) -> int:
@@ -282,7 +328,9 @@ __all__ = [
     "ArenaError",
     "ArenaPlan",
     "Slot",
+    "INLINE_VIEW_OPS",
     "arena_call",
+    "inline_views",
     "out_variant",
     "plan_arena",
     "verify_arena",

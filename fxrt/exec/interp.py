@@ -172,8 +172,8 @@ class PythonLoop:
             return arena.allocate()
 
     def give_back(self, tensors: list[Any] | None) -> None:
-        if tensors is not None:
-            self._pools[tensors[0].is_inference()].append(tensors)
+        if tensors is not None:  # the call ran in the inference mode it started in
+            self._pools[torch.is_inference_mode_enabled()].append(tensors)
 
     def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
         regs = self._registers(inputs)

@@ -182,6 +182,8 @@ class NativeLoop(_Executor):
             list(ins.outputs),
             ins.multi,
         )
+        if added and ins.inline_view:
+            self.set_inline_view()
         if added and ins.slot >= 0:
             out = ins.out_target._schema if ins.out_target is not None else None
             self.set_arena_slot(

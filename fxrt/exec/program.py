@@ -50,6 +50,7 @@ class Call:
     out_target: Any = None
     out_args: tuple[Any, ...] = ()
     out_kwargs: dict[str, Any] | None = None
+    inline_view: bool = False  # a view the compiled loop may make inline on those calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +92,14 @@ class Program:
         return program_to_text(self)
 
 
-def lower(graph: Graph, plan: Plan, arena: ArenaPlan | None = None) -> Program:
-    """Emit the instruction tuple for ``graph``, with the FREEs ``plan`` places and the arena
-    slots ``arena`` assigns."""
+def lower(
+    graph: Graph,
+    plan: Plan,
+    arena: ArenaPlan | None = None,
+    views: frozenset[int] = frozenset(),
+) -> Program:
+    """Emit the instruction tuple for ``graph``, with the FREEs ``plan`` places, the arena
+    slots ``arena`` assigns and the inline ``views`` (node indices) marked."""
     code: list[Instr] = []
     infos: list[NodeInfo] = []
     slot_of = arena.slot_of() if arena is not None else {}
@@ -105,7 +111,7 @@ def lower(graph: Graph, plan: Plan, arena: ArenaPlan | None = None) -> Program:
         elif node.outputs[0] in slot_of:
             code.append(Call(*args, slot_of[node.outputs[0]], *arena_call(graph, node)))
         else:
-            code.append(Call(*args))
+            code.append(Call(*args, inline_view=i in views))
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     return Program(
@@ -124,7 +130,8 @@ def lower(graph: Graph, plan: Plan, arena: ArenaPlan | None = None) -> Program:
 def program_to_text(program: Program) -> str:
     """The listing: one numbered line per instruction, FREEs included, then the fallbacks.
     A call whose result lives in the arena ends with ``-> arena[start:end] via <out= call>``, or
-    ``(no call)`` for an allocation, which takes the slot as it is."""
+    ``(no call)`` for an allocation, which takes the slot as it is; an inline view ends with
+    ``(inline)``."""
     names = dict(enumerate(program.reg_names))
     lines = [
         "program("
@@ -158,6 +165,8 @@ def program_to_text(program: Program) -> str:
                     text += f" via {out_name}"
                 else:
                     text += " via " + format_call(out_name, ins.out_args, ins.out_kwargs, names)
+            elif isinstance(ins, Call) and ins.inline_view:
+                text += " (inline)"
         lines.append(f"  {pc:>4}  {text}")
     lines.append(f"  return {format_arg(program.output, names)}")
     if program.fallbacks:
