@@ -17,7 +17,6 @@ it can a place in an arena and calls the op's ``out=`` overload there:
 3. Offsets: greedy by size, as in Static Runtime and TFLite: largest first, each at the lowest
    64-byte aligned offset that overlaps no placed slot whose interval overlaps its own.
    :func:`verify_arena` checks the result.
-
 4. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
    ``transpose``, ``permute``) whose value never leaves the graph, is never written and is only
    read by ops that return fresh results, or by such views, needs no view tracking: the compiled
