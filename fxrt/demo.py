@@ -74,6 +74,11 @@ def main() -> int:
     print(f"(measured on a replay: {max(report.measured)} B) made of:")
     for value, nbytes in report.peak_values[:5]:
         print(f"  %{value}: {nbytes} B")
+    if report.arena_bytes:
+        print(
+            f"{report.arena_values} intermediates live in a {report.arena_bytes} B arena, "
+            "kept from call to call"
+        )
     try:
         path = report.plot(os.path.abspath("fxrt-demo-memory.png"))
         print(f"memory plot written to {path}")
