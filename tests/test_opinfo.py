@@ -1,6 +1,6 @@
 """OpInfo sweep: every op of PyTorch's OpInfo database that supports float32 on CPU, compiled with
-``torch.compile(fn, backend="fxrt", fullgraph=False, dynamic=False)`` and compared with eager,
-through both fxrt loops.
+``torch.compile(fn, backend="fxrt", fullgraph=False, dynamic=False)`` (or ``dynamic=True``, below)
+and compared with eager, through both fxrt loops.
 
 For every op (and its in-place / ``out=`` variant where the OpInfo has one) the first few samples
 of ``op.sample_inputs("cpu", torch.float32, requires_grad=False)`` are made into a function of the
@@ -35,6 +35,15 @@ The FAST subset (``FAST_OPS``, 2 samples each) runs with the normal test suite. 
 excluded, ops no graph of which reached fxrt, failures) and writes it to ``$FXRT_SWEEP_SUMMARY``
 (default: ``fxrt_opinfo_summary.txt`` in the temp directory). ``FXRT_SWEEP_SAMPLES=n`` sets the
 number of samples per op and variant.
+
+``FXRT_SWEEP_DYNAMIC=1`` runs the sweep (fast or full) with ``dynamic=True`` in every
+``torch.compile`` of it, fxrt's on both loops and the ``aot_eager`` baseline alike, so fxrt gets
+graphs with symbolic sizes (Dynamo still specializes sizes 0 and 1); the inputs are the same, so
+eager still gives the expected results. Those cases' ids end in ``-dynamic``; the summary's first
+line says ``dynamic=True`` and how many graphs had symbolic sizes. The same exception lists apply;
+samples that fail only with symbolic sizes in Dynamo itself (some ``out=`` metas call ``numel()``)
+fail with ``aot_eager`` too and are excluded like any other. Without the variable, the normal test
+suite still runs a few cases of the FAST subset with ``dynamic=True`` (``DYNAMIC_FAST_OPS``).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import fxrt
 
 FULL = os.environ.get("FXRT_SWEEP", "").strip().lower() == "full"
 N_SAMPLES = int(os.environ.get("FXRT_SWEEP_SAMPLES", "3" if FULL else "2"))
+DYNAMIC = os.environ.get("FXRT_SWEEP_DYNAMIC", "").strip().lower() in ("1", "true", "yes")
 SUMMARY_PATH = os.environ.get(
     "FXRT_SWEEP_SUMMARY", os.path.join(tempfile.gettempdir(), "fxrt_opinfo_summary.txt")
 )
@@ -253,6 +263,23 @@ FAST_OPS: dict[str, tuple[str, ...]] = {
     "fill": _I,
 }
 
+# The FAST cases the normal test suite also runs with dynamic=True (ids ending in "-dynamic"):
+# ops whose graphs compute with symbolic sizes (view/reshape targets, cat and index output sizes,
+# expand, arange's length, reduction and matmul shapes).
+DYNAMIC_FAST_OPS: dict[str, tuple[str, ...]] = {
+    "view": _F,
+    "reshape": _F,
+    "expand": _F,
+    "narrow": _F,
+    "cat": _F,
+    "__getitem__": _F,
+    "index_select": _F,
+    "sum": _F,
+    "matmul": _F,
+    "softmax": _F,
+    "arange": _F,
+}
+
 
 def op_id(op: Any) -> str:
     return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
@@ -273,6 +300,10 @@ def _load_op_db() -> list[Any]:
 _OPS = {op_id(op): op for op in _load_op_db() if DTYPE in op.supported_dtypes("cpu")}
 _MISSING = sorted(set(FAST_OPS) - set(_OPS))
 assert not _MISSING, f"FAST_OPS names unknown to op_db: {_MISSING}"
+_NOT_FAST = [
+    (k, v) for k, vs in DYNAMIC_FAST_OPS.items() for v in vs if v not in FAST_OPS.get(k, ())
+]
+assert not _NOT_FAST, f"DYNAMIC_FAST_OPS cases not in FAST_OPS: {_NOT_FAST}"
 
 
 def _variants(op: Any) -> tuple[str, ...]:
@@ -284,6 +315,17 @@ def _variants(op: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def case_id(name: str, variant: str, dynamic: bool) -> str:
+    return f"{name}-{variant}" + ("-dynamic" if dynamic else "")
+
+
+def _split_case_id(key: str) -> tuple[str, str, bool]:
+    """(op name, variant, dynamic) of a case id; op names may contain "-" (nearest-exact)."""
+    dynamic = key.endswith("-dynamic")
+    name, variant = key.removesuffix("-dynamic").rsplit("-", 1)
+    return name, variant, dynamic
+
+
 def _cases() -> list[Any]:
     cases = []
     for name, op in _OPS.items():
@@ -292,7 +334,12 @@ def _cases() -> list[Any]:
             if variant not in _variants(op):
                 raise AssertionError(f"FAST_OPS: {name} has no {variant} variant")
             marks = [pytest.mark.slow] if FULL else []
-            cases.append(pytest.param(name, variant, id=f"{name}-{variant}", marks=marks))
+            modes = [DYNAMIC]
+            if not DYNAMIC and not FULL and variant in DYNAMIC_FAST_OPS.get(name, ()):
+                modes.append(True)
+            for dynamic in modes:
+                id_ = case_id(name, variant, dynamic)
+                cases.append(pytest.param(name, variant, dynamic, id=id_, marks=marks))
     return cases
 
 
@@ -384,12 +431,15 @@ def _run(case: Case) -> tuple[Any, list[torch.Tensor]]:
     return case.fn(*args), args
 
 
-def _run_compiled(case: Case, compile_with: dict[str, Any]) -> list[tuple[Any, list[torch.Tensor]]]:
-    """Compile the case with ``torch.compile(**compile_with)`` and call it twice, each time on
-    fresh copies of its tensors: the second call runs what the first one compiled, and must leave
-    the first call's result as it was. Returns both calls' (result, arguments after the call)."""
+def _run_compiled(
+    case: Case, compile_with: dict[str, Any], dynamic: bool = False
+) -> list[tuple[Any, list[torch.Tensor]]]:
+    """Compile the case with ``torch.compile(dynamic=dynamic, **compile_with)`` and call it twice,
+    each time on fresh copies of its tensors: the second call runs what the first one compiled,
+    and must leave the first call's result as it was. Returns both calls' (result, arguments
+    after the call)."""
     torch._dynamo.reset()  # no cache entries (or recompile counts) carried between runs
-    compiled = torch.compile(case.fn, fullgraph=False, dynamic=False, **compile_with)
+    compiled = torch.compile(case.fn, fullgraph=False, dynamic=dynamic, **compile_with)
     args = _copy_tensors(case.tensors)
     first = compiled(*args), args
     kept = _snapshot(first)
@@ -541,10 +591,24 @@ class _Record:
     # samples where fxrt failed and aot_eager fails too: (index, aot_eager's error, fxrt's)
     samples_excluded: list[tuple[int, str, str]] = field(default_factory=list)
     fxrt_graphs: int = 0
+    fxrt_graphs_with_nodes: int = 0  # Dynamo also hands over graphs with no node
 
 
 _RECORDS: dict[str, _Record] = {}
 _EXECUTORS: Counter[str] = Counter()
+_SYMBOLIC: Counter[str] = Counter()  # graphs with nodes and symbolic sizes, per executor
+_EMPTY: Counter[str] = Counter()  # graphs with no node, per executor
+
+
+def has_symbolic_sizes(cg: Any) -> bool:
+    """Whether a compiled graph has a SymInt value or a tensor with a symbolic size or stride:
+    what ``dynamic=True`` is meant to give fxrt."""
+    from fxrt.ir import ValueKind
+
+    return any(
+        v.kind is ValueKind.SYM or (v.meta is not None and not v.meta.is_static)
+        for v in cg.graph.values
+    )
 
 
 class _SummaryPlugin:
@@ -600,15 +664,19 @@ def summary_text() -> str:
     # An op passes when none of its variants failed and at least one ran and passed.
     ops: dict[str, list[_Record]] = {}
     for k, r in recs.items():
-        ops.setdefault(k.rsplit("-", 1)[0], []).append(r)
+        name, _, dynamic = _split_case_id(k)
+        ops.setdefault(name + ("-dynamic" if dynamic else ""), []).append(r)
     ops_passed = sum(
         all(r.outcome != "failed" for r in rs) and any(r.outcome == "passed" for r in rs)
         for rs in ops.values()
     )
     ops_failed = sum(any(r.outcome == "failed" for r in rs) for rs in ops.values())
+    n_dynamic = sum(_split_case_id(k)[2] for k in recs)
+    dynamic = f"{DYNAMIC}" if DYNAMIC or not n_dynamic else f"False (True in {n_dynamic} cases)"
     lines = [
-        f"mode={'full' if FULL else 'fast'} samples/op<={N_SAMPLES} "
-        f"default executor={default_executor()} graphs run per executor: {dict(_EXECUTORS)}",
+        f"mode={'full' if FULL else 'fast'} dynamic={dynamic} samples/op<={N_SAMPLES} "
+        f"default executor={default_executor()} graphs run per executor: {dict(_EXECUTORS)} "
+        f"(empty: {dict(_EMPTY)}; with symbolic sizes: {dict(_SYMBOLIC)})",
         f"cases (op x variant): {len(recs)}; passed {by['passed']}, failed {by['failed']}, "
         f"skipped {by['skipped']} ({', '.join(f'{k}: {len(v)}' for k, v in cats.items())})",
         f"ops: {len(ops)}; passed {ops_passed}, failed {ops_failed}, "
@@ -629,6 +697,14 @@ def summary_text() -> str:
     if no_graph:
         lines.append("passed without any graph reaching fxrt (Dynamo ran them eagerly):")
         lines.append("  " + " ".join(no_graph))
+    only_empty = [
+        k
+        for k, r in recs.items()
+        if r.outcome == "passed" and r.fxrt_graphs and not r.fxrt_graphs_with_nodes
+    ]
+    if only_empty:
+        lines.append("passed with only graphs of no node reaching fxrt:")
+        lines.append("  " + " ".join(only_empty))
     failed = [f"  {k}: {r.reason}" for k, r in recs.items() if r.outcome == "failed"]
     if failed:
         lines.append("FAILED:")
@@ -664,9 +740,9 @@ def _samples(op: Any) -> Iterator[Any]:
     return iter(op.sample_inputs("cpu", DTYPE, requires_grad=False))
 
 
-@pytest.mark.parametrize(("name", "variant"), _cases())
-def test_op(name: str, variant: str) -> None:
-    rec = _RECORDS.setdefault(f"{name}-{variant}", _Record())
+@pytest.mark.parametrize(("name", "variant", "dynamic"), _cases())
+def test_op(name: str, variant: str, dynamic: bool) -> None:
+    rec = _RECORDS.setdefault(case_id(name, variant, dynamic), _Record())
     if name in NONDETERMINISTIC:
         pytest.skip(NONDETERMINISTIC[name])
     if (name, variant) in KNOWN_EXCEPTIONS:
@@ -720,9 +796,14 @@ def test_op(name: str, variant: str) -> None:
         ):
             try:
                 with recording_compiles() as graphs:
-                    runs = _run_compiled(case, cfg)
+                    runs = _run_compiled(case, cfg, dynamic)
                 rec.fxrt_graphs += len(graphs)
+                rec.fxrt_graphs_with_nodes += sum(bool(g.graph.nodes) for g in graphs)
                 _EXECUTORS.update(g.executor for g in graphs)
+                _EMPTY.update(g.executor for g in graphs if not g.graph.nodes)
+                _SYMBOLIC.update(
+                    g.executor for g in graphs if g.graph.nodes and has_symbolic_sizes(g)
+                )
                 _check_executors(graphs, want, label)
                 for run in runs:
                     _check(run, expected, tol)
@@ -739,7 +820,7 @@ def test_op(name: str, variant: str) -> None:
             rec.samples_passed += 1
             continue
         try:
-            for run in _run_compiled(case, _AOT_EAGER):
+            for run in _run_compiled(case, _AOT_EAGER, dynamic):
                 _check(run, expected, tol)
         except Exception as e:
             fxrt_problem = problems[0].splitlines()[0][:200]
