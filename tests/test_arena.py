@@ -249,3 +249,38 @@ def test_views_read_only_inside_the_graph_are_made_inline():
             torch.testing.assert_close(got, want)
             # the returned view is a view of its input exactly as in eager
             assert (got[2]._base is None) == (want[2]._base is None)
+
+
+class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_modes_see_the_graphs_own_ops():
+    # No out= forms, inline views or inline allocations under a TorchDispatchMode.
+    def f(x, w):
+        buf = aten.empty_strided.default([4, 4], [4, 1], dtype=torch.float32)
+        torch.sin(x, out=buf)
+        fresh = aten.empty_strided.default([2], [1], dtype=torch.float32)
+        return torch.mm(buf, w.t()).sum(0), fresh
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    cg = compile_fn(f, x, w)
+    assert "(inline)" in str(cg.program) and "arena[" in str(cg.program)
+    for loop in loops(cg.program):
+        with torch.inference_mode(), LoggingDispatchMode() as mode:
+            got = loop([x, w])
+        torch.testing.assert_close(got[0], f(x, w)[0])
+        assert mode.seen == [
+            "aten.empty_strided.default",
+            "aten.sin.out",
+            "aten.empty_strided.default",
+            "aten.t.default",
+            "aten.mm.default",
+            "aten.sum.dim_IntList",
+        ]

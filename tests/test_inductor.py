@@ -488,15 +488,21 @@ def test_views_the_host_graph_does_not_need_are_dropped():
     kernel = add(aten.add.Tensor, flat, twin)  # stands in for a C++ kernel call
     kernel.meta["fxrt_pointer_args"] = (0, 1)
     out = view(base, [2, 8], [8, 1], 0)
-    graph.output((reader, kernel, out))
+    alloc = dict(dtype=torch.float32, device=torch.device("cpu"))
+    buf = add(aten.empty_strided.default, [2, 8], [8, 1], val=torch.empty(2, 8), **alloc)
+    buf_out = view(buf, [2, 8], [8, 1], 0)
+    graph.output((reader, kernel, out, buf_out))
     gm = torch.fx.GraphModule({}, graph)
-    # ``again`` is ``base``, the kernel reads ``base``'s data pointer, ``twin`` is ``shifted``
-    assert simplify_views(gm) == 3
-    assert not {again, flat, twin} & set(gm.graph.nodes)
+    # ``again`` is ``base``, the kernel reads ``base``'s data pointer, ``twin`` is ``shifted``,
+    # ``buf_out`` is ``buf``
+    assert simplify_views(gm) == 4
+    assert not {again, flat, twin, buf_out} & set(gm.graph.nodes)
     assert reader.args == (base,)
     assert kernel.args == (base, shifted)  # pointer arg at its input's offset: the input itself
     output = next(iter(gm.graph.find_nodes(op="output")))
-    assert output.args[0] == (reader, kernel, out)  # identity views the caller gets are kept
+    # An identity view of an input the caller gets is kept; of the graph's own buffer, it is the
+    # buffer.
+    assert output.args[0] == (reader, kernel, out, buf)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

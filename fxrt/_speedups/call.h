@@ -27,6 +27,7 @@
 
 #include "convert.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -118,6 +119,15 @@ struct CallOp {
   enum class View : uint8_t { NONE, VIEW, T, TRANSPOSE, PERMUTE } view = View::NONE;
   std::vector<int64_t> view_ints;
   int64_t view_dim0 = 0, view_dim1 = 0;
+  // aten::empty_strided on the CPU with constant arguments: allocated inline.
+  struct EmptyStrided {
+    std::vector<int64_t> sizes, strides;
+    std::optional<at::ScalarType> dtype;
+    std::optional<at::Layout> layout;
+    std::optional<at::Device> device;
+    std::optional<bool> pin_memory;
+  };
+  std::optional<EmptyStrided> empty_strided;
 };
 
 using Arena = std::vector<at::Tensor>;
@@ -346,6 +356,36 @@ inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
   return true;
 }
 
+// aten::empty_strided's CPU kernel is at::detail::empty_strided_cpu; a call with constant
+// arguments for the CPU makes its tensor directly, as Inductor's own empty_strided_cpu helper
+// does, instead of through the dispatcher (about 1 us less per allocation).
+inline void bind_empty_strided(CallOp& call) {
+  const c10::FunctionSchema& schema = call.op.schema();
+  if (schema.name() != "aten::empty_strided" || !schema.overload_name().empty() ||
+      call.slots.size() != 6) {
+    return;
+  }
+  for (const Slot& slot : call.slots) {
+    if (slot.kind != Slot::CONST) {
+      return;
+    }
+  }
+  const auto& v = [&](size_t i) -> const IValue& { return call.slots[i].value; };
+  if (!v(0).isIntList() || !v(1).isIntList()) {
+    return;
+  }
+  CallOp::EmptyStrided e{v(0).toIntVector(), v(1).toIntVector()};
+  e.dtype = v(2).toOptional<at::ScalarType>();
+  e.layout = v(3).toOptional<at::Layout>();
+  e.device = v(4).toOptional<at::Device>();
+  e.pin_memory = v(5).toOptional<bool>();
+  if ((e.device.has_value() && !e.device->is_cpu()) ||
+      (e.layout.has_value() && *e.layout != c10::kStrided)) {
+    return;
+  }
+  call.empty_strided = std::move(e);
+}
+
 // Mark `call` as an inline view if its op is one and its other arguments are constants.
 inline void bind_inline_view(CallOp& call) {
   const c10::FunctionSchema& schema = call.op.schema();
@@ -501,6 +541,7 @@ inline std::optional<CallOp> bind_call(
     return std::nullopt;
   }
   bind_reinterpret(call);
+  bind_empty_strided(call);
   return call;
 }
 
@@ -674,6 +715,12 @@ inline void run_call(
     }
   }
   if (call.reinterpret_sizes.has_value() && run_reinterpret(call, regs)) {
+    return;
+  }
+  if (call.empty_strided.has_value() && !c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+    const CallOp::EmptyStrided& e = *call.empty_strided;
+    regs[static_cast<size_t>(call.outputs[0])] = at::Tensor(at::detail::empty_strided_cpu(
+        e.sizes, e.strides, e.dtype, e.layout, e.device, e.pin_memory));
     return;
   }
   if (arena != nullptr && call.view != CallOp::View::NONE && run_inline_view(call, regs)) {

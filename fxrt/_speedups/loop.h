@@ -16,7 +16,8 @@
 //
 // With an arena (fxrt/exec/arena.py), run() first decides, as PythonLoop.take_arena does, whether
 // this call may use one: not when autograd could record it (grad mode on and an input or constant
-// requires grad) or when an input's size or dtype differs from what the graph was compiled for.
+// requires grad), when a TorchDispatchMode is active (it must see the graph's own ops), or when an
+// input's size or dtype differs from what the graph was compiled for.
 // It then takes an arena from the pool of its inference mode, or has the Python factory make one,
 // and puts it back after a successful run; a failed run drops it (the error may still hold views
 // of it).
@@ -317,8 +318,8 @@ class Executor {
 
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
   std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference) const {
-    if (arena_factory_.is_none()) {
-      return nullptr;
+    if (arena_factory_.is_none() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+      return nullptr;  // a dispatch mode must see the graph's own ops
     }
     if (c10::GradMode::is_enabled()) {
       if (constants_need_grad_) {

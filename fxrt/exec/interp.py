@@ -149,12 +149,16 @@ class PythonLoop:
         not have the size and dtype the graph was compiled for. The caller gives it back with
         :meth:`give_back` once the call succeeded (an arena a failed call used is dropped).
 
-        Neither does a call that ``__torch_function__`` sees (a mode, a subclass input): it must
+        Neither does a call that ``__torch_function__`` or a ``TorchDispatchMode`` sees: it must
         see the graph's own ops."""
         arena = self.arena
         if arena is None:
             return None
-        if torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs):
+        if (
+            torch._C._is_torch_function_mode_enabled()
+            or torch._C._has_torch_function(inputs)
+            or torch._C._len_torch_dispatch_stack()
+        ):
             return None
         if torch.is_grad_enabled() and (
             self._constants_need_grad

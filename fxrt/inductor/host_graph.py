@@ -21,8 +21,9 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
    input; the same view of the same input made twice is made once (a view holds no data, so
    writes in between do not matter); a view with exactly its input's sizes, strides and offset is
    its input; and a view passed to a C++ kernel for a pointer parameter, at its input's offset, is
-   its input as far as the kernel can tell (it reads only the data pointer). Views the caller
-   receives are kept, so it never gets another value's tensor object; unused views are erased.
+   its input as far as the kernel can tell (it reads only the data pointer). Views of inputs the
+   caller receives are kept, so it never gets an input's tensor object; a returned identity view of
+   a buffer the graph allocated is that buffer. Unused views are erased.
 4. Make the views no caller receives what they are in Inductor's own Python wrapper:
    ``reinterpret_tensor`` (``inductor._reinterpret_tensor``), a raw alias with no view tracking
    and an offset relative to its base's. The converter's ``as_strided`` offsets are absolute, the
@@ -280,8 +281,12 @@ def simplify_views(gm: torch.fx.GraphModule) -> int:
         if geometry is None or type(offset) is not int:
             continue
         if (sizes, strides, offset) == geometry:
-            # The caller keeps getting a view of its own, never the base object itself.
-            view.replace_all_uses_with(base, delete_user_cb=lambda user: user.op != "output")
+            # A caller never gets an input or constant object itself for a view of it; a buffer
+            # the graph allocated, which it does not return otherwise, it may get as it is.
+            own_buffer = base.op == "call_function" and not _returned(base)
+            view.replace_all_uses_with(
+                base, delete_user_cb=lambda user, own=own_buffer: own or user.op != "output"
+            )
         elif offset == geometry[2]:  # same data pointer
             for user in list(view.users):
                 pointer_args = user.meta.get("fxrt_pointer_args", ())
