@@ -75,6 +75,18 @@ def check_against_eager(model: Callable, inputs: tuple, executor: str, **kw: Any
     return got
 
 
+class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher's Python mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.fixture(params=EXECUTORS)
 def executor(request) -> str:
     return request.param

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import native_available
+from conftest import LoggingDispatchMode, native_available
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -249,16 +249,6 @@ def test_views_read_only_inside_the_graph_are_made_inline():
             torch.testing.assert_close(got, want)
             # the returned view is a view of its input exactly as in eager
             assert (got[2]._base is None) == (want[2]._base is None)
-
-
-class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_dispatch_modes_see_the_graphs_own_ops():

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EXECUTORS, skip_unless_executor
+from conftest import EXECUTORS, LoggingDispatchMode, skip_unless_executor
 from torch import nn
 from torch._inductor import config as inductor_config
 from torch._inductor.codegen import common as inductor_common
@@ -533,16 +533,6 @@ def test_views_become_reinterpret_tensor_with_relative_offsets(executor):
     with LoggingDispatchMode() as mode:
         torch.testing.assert_close(cg(x), expected)
     assert "inductor._reinterpret_tensor.default" in mode.seen
-
-
-class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 # --- device-library fused kernels --------------------------------------------------------------
