@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,25 @@ def check_against_eager(model: Callable, inputs: tuple, executor: str, **kw: Any
     if isinstance(model, torch.nn.Module):
         torch.testing.assert_close(compiled_model.state_dict(), eager_model.state_dict())
     return got
+
+
+def run_in_threads(work: Callable[[int], None], n: int = 8) -> None:
+    """Run ``work(seed)`` for seeds 0..n-1 in n threads at once; raise the first failure."""
+    failures: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            work(seed)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
 
 
 class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):

@@ -6,11 +6,10 @@ threads."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
-from conftest import LoggingDispatchMode, native_available
+from conftest import LoggingDispatchMode, native_available, run_in_threads
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -197,23 +196,14 @@ def test_threads_each_get_an_arena():
 
     x, w = torch.randn(16, 16), torch.randn(16, 16)
     loop = NativeLoop(compile_fn(chain, x, w).program)
-    failures: list[BaseException] = []
 
-    def worker(seed: int) -> None:
+    def work(seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        try:
-            for _ in range(50):
-                a = torch.randn(16, 16, generator=gen)
-                torch.testing.assert_close(loop([a, w]), chain(a, w))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            failures.append(e)
+        for _ in range(50):
+            a = torch.randn(16, 16, generator=gen)
+            torch.testing.assert_close(loop([a, w]), chain(a, w))
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures[0]
+    run_in_threads(work)
 
 
 def test_memory_report_names_the_arena():

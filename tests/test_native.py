@@ -15,7 +15,6 @@ import copy
 import operator
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
+from conftest import run_in_threads
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
@@ -408,24 +408,15 @@ def test_threads_share_one_compiled_graph(release_gil):
     x, y = torch.randn(3, 4), torch.randn(2, 4)
     gm = make_fx(f, tracing_mode="symbolic")(x, y)
     loop = NativeLoop(fxrt.compile_graph(gm, [x, y]).program, release_gil=release_gil)
-    failures: list[BaseException] = []
 
-    def worker(seed: int) -> None:
+    def work(seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        try:
-            for i in range(20):
-                a = torch.randn(seed + 1, 4, generator=gen)
-                b = torch.randn(i % 3 + 1, 4, generator=gen)
-                assert_same(loop([a, b]), f(a, b))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            failures.append(e)
+        for i in range(20):
+            a = torch.randn(seed + 1, 4, generator=gen)
+            b = torch.randn(i % 3 + 1, 4, generator=gen)
+            assert_same(loop([a, b]), f(a, b))
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures[0]
+    run_in_threads(work)
 
 
 # ---------------------------------------------------------------------------------------------
