@@ -12,11 +12,17 @@ from typing import Any
 
 import pytest
 import torch
+import torch._functorch.config
 
 import fxrt
 
 # Tests never read or write the user's compile cache.
 os.environ.setdefault("FXRT_CACHE_DIR", tempfile.mkdtemp(prefix="fxrt-test-cache-"))
+
+# AOTAutograd checks the custom ops a compiled function calls on its first call; a custom op
+# whose result aliases an input without saying so in its schema is an error wherever ``CI`` is
+# set, and a warning elsewhere. Tests treat it as an error everywhere.
+torch._functorch.config.error_on_custom_op_aliasing = True
 
 
 def native_available() -> bool:

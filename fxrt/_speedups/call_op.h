@@ -84,7 +84,7 @@ struct CallOp {
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
   int64_t arena_slot = -1;  // the result's arena slot, or -1
   std::shared_ptr<const CallOp> out_call;  // writes the slot; null: the slot is the result
-  // inductor::_reinterpret_tensor with constant sizes, strides and offset: made inline.
+  // fxrt::reinterpret_tensor with constant sizes, strides and offset: made inline.
   std::optional<std::vector<int64_t>> reinterpret_sizes, reinterpret_strides;
   int64_t reinterpret_offset = 0;
   // A view made inline on calls without autograd (fxrt/exec/arena.py: inline_views), with its

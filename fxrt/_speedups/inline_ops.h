@@ -1,5 +1,5 @@
 // Calls the compiled loop makes without the dispatcher, each exactly as the op's own CPU kernel
-// would: Inductor's reinterpret_tensor, CPU empty_strided, and (on calls that use the arena, so
+// would: reinterpret_tensor, CPU empty_strided, and (on calls that use the arena, so
 // autograd records nothing) views only read inside the graph. Each falls back to the dispatcher
 // when a dispatch mode, a subclass or a functional tensor would route the call elsewhere, or when
 // its arguments are not what it handles; the op then runs (and fails) as it would anyway.
@@ -49,13 +49,13 @@ inline at::Tensor raw_alias(
   return alias;
 }
 
-// Inductor's reinterpret_tensor (torch/csrc/inductor/inductor_ops.cpp): a new TensorImpl on the
-// same storage, the offset an increment of self's; no view tracking, as in Inductor's own Python
-// wrapper. Its dispatcher round trip costs several times the alias itself (fxrt's Inductor host
+// fxrt::reinterpret_tensor (fxrt/ops/reinterpret.py), Inductor's reinterpret_tensor with a view
+// schema: a new TensorImpl on the same storage, the offset an increment of self's; no view
+// tracking, as in Inductor's own Python wrapper (torch/csrc/inductor/inductor_ops.cpp). Its dispatcher round trip costs several times the alias itself (fxrt's Inductor host
 // graphs make one per weight and buffer view), so a call with constant geometry is made inline.
 inline void bind_reinterpret(CallOp& call) {
   const c10::FunctionSchema& schema = call.op.schema();
-  if (schema.name() != "inductor::_reinterpret_tensor" || !schema.overload_name().empty() ||
+  if (schema.name() != "fxrt::reinterpret_tensor" || !schema.overload_name().empty() ||
       call.slots.size() != 4 || call.slots[0].kind != Slot::REG) {
     return;
   }

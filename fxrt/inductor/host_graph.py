@@ -25,11 +25,13 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
    caller receives are kept, so it never gets an input's tensor object; a returned identity view of
    a buffer the graph allocated is that buffer. Unused views are erased.
 4. Make the views no caller receives what they are in Inductor's own Python wrapper:
-   ``reinterpret_tensor`` (``inductor._reinterpret_tensor``), a raw alias with no view tracking
-   and an offset relative to its base's. The converter's ``as_strided`` offsets are absolute, the
-   base's traced offset added in, so that offset is taken back out. The compiled loop makes these
-   aliases inline, without a dispatcher round trip (the weights' views cost most there: as
-   views of normal tensors they go through autograd's view tracking).
+   ``reinterpret_tensor``, with an offset relative to its base's (``fxrt::reinterpret_tensor``,
+   see :mod:`fxrt.ops.reinterpret`: Inductor's ``inductor::_reinterpret_tensor`` lacks the alias
+   annotation AOTAutograd's first-call check needs). The converter's ``as_strided`` offsets are
+   absolute, the base's traced offset added in, so that offset is taken back out. The compiled
+   loop makes these views inline as raw aliases with no view tracking, as Inductor's wrapper
+   does, without a dispatcher round trip (the weights' views cost most there: as views of normal
+   tensors they go through autograd's view tracking).
 5. Compile with :func:`fxrt.compile_graph`, without fxrt's on-disk cache: the graph calls
    generated kernels, which the artifact format cannot name, so it would never be stored.
 
@@ -68,6 +70,7 @@ import torch.fx
 
 from ..compiler import CompiledGraph, compile_graph
 from ..config import CompilerConfig
+from ..ops.reinterpret import reinterpret_tensor
 
 aten = torch.ops.aten
 
@@ -306,7 +309,7 @@ def simplify_views(gm: torch.fx.GraphModule) -> int:
 
 
 def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
-    """Turn the ``as_strided`` views no caller receives into Inductor's ``reinterpret_tensor``
+    """Turn the ``as_strided`` views no caller receives into ``fxrt::reinterpret_tensor``
     (step 4 of the module docstring), in place, where the geometry is static.
 
     Returns:
@@ -324,7 +327,7 @@ def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
             continue
         if type(offset) is not int:
             continue
-        view.target = torch.ops.inductor._reinterpret_tensor.default
+        view.target = reinterpret_tensor
         view.args = (base, list(sizes), list(strides), offset - geometry[2])
         changed += 1
     if changed:
