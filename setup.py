@@ -10,6 +10,7 @@ LD_LIBRARY_PATH.
 """
 
 import os
+import platform
 from glob import glob
 
 from setuptools import setup
@@ -32,6 +33,19 @@ class BuildExtReplacing(build_ext):
 
 def build_requested() -> bool:
     return os.environ.get("FXRT_BUILD_EXT", "1").strip().lower() not in _FALSE
+
+
+def cpu_stub_macros() -> list[tuple[str, str]]:
+    """The CPU capabilities torch was built with, as ATen's DispatchStub.h expects them.
+
+    Calling one of ATen's CPU kernels through its DispatchStub (fxrt/_speedups/kernels.h) links
+    against ``DispatchStubImpl::get_call_ptr``, whose parameters are one function pointer per
+    capability the torch build has: on x86-64, AVX512 and AVX2. Elsewhere the macros stay unset
+    and kernels.h calls the ATen op instead.
+    """
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return [("HAVE_AVX512_CPU_DEFINITION", "1"), ("HAVE_AVX2_CPU_DEFINITION", "1")]
+    return []
 
 
 def extensions() -> list:
@@ -62,6 +76,7 @@ def extensions() -> list:
         define_macros=[
             ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+            *cpu_stub_macros(),
         ],
         extra_compile_args=[
             "-std=c++20",

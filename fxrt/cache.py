@@ -79,10 +79,12 @@ def cache_key(
     ir_text: str, example_inputs: Sequence[Any], constants: Sequence[Any], config: Any
 ) -> str:
     from .ops.kernels import registry_fingerprint
+    from .ops.native_kernels import available as native_kernels_available
     from .serialize import FORMAT, versions
 
     h = hashlib.sha256()
     config_text = _config_text(config) + ";kernels=" + registry_fingerprint()  # register_kernel
+    config_text += ";native=" + ",".join(sorted(native_kernels_available()))  # the extension's ops
     for part in (FORMAT, repr(sorted(versions().items())), ir_text, config_text):
         h.update(part.encode())
         h.update(b"\0")

@@ -21,6 +21,7 @@ from .exec.program import Program, lower
 from .ir import Graph, from_fx, graph_to_text, verify
 from .ir.to_fx import to_fx
 from .ops.kernels import apply_kernel_overrides
+from .ops.native_kernels import use_native_kernels
 from .passes import PassRecord, run_passes
 from .passes.user import run_user_pass
 from .serialize import SerializationError, dump_graph, load_graph
@@ -220,6 +221,10 @@ def _compile(
         if dump:
             dump.fx("after_post_pass_fx.txt", post)
         graph = from_fx(post, example_inputs)
+        if config.verify:
+            verify(graph)
+    if config.native_kernels:  # last: user passes see ATen ops, a user's override wins
+        graph = use_native_kernels(graph)
         if config.verify:
             verify(graph)
     plan = plan_lifetimes(graph)

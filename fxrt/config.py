@@ -60,6 +60,9 @@ class CompilerConfig:
         arena: write intermediates into a preallocated arena, reused from call to call, through
             their ops' ``out=`` overloads (see :mod:`fxrt.exec.arena`). Default from
             ``FXRT_ARENA`` (on).
+        native_kernels: use fxrt's own CPU ops where ATen's kernel choice costs more host time
+            than the math (``aten::gelu`` on small float32 tensors; see
+            :mod:`fxrt.ops.native_kernels`). Default from ``FXRT_NATIVE_KERNELS`` (on).
         cache: use the on-disk compile cache. Default from ``FXRT_CACHE`` (on).
         cache_dir: where the cache lives. Default from ``FXRT_CACHE_DIR``, else
             ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``.
@@ -76,6 +79,7 @@ class CompilerConfig:
     post_grad_custom_post_pass: Callable[..., Any] | None = None
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
     arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
+    native_kernels: bool = field(default_factory=lambda: env_flag("FXRT_NATIVE_KERNELS", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     mode: str = "default"

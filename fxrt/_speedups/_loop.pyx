@@ -29,6 +29,11 @@ cdef extern from "loop.h" namespace "fxrt":
     int torch_function_state(object inputs) except -1
 
 
+# fxrt's own CPU ops (fxrt::gelu...), registered with the dispatcher when this module loads.
+cdef extern from "kernels.h":
+    pass
+
+
 cdef extern from "loop.h":
     cdef cppclass CExecutor "fxrt::Executor":
         CExecutor(object ref_type, int64_t n_regs, cbool release_gil) except +set_python_error

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-_LIB = torch.library.Library("fxrt", "DEF")
+_LIB = torch.library.Library("fxrt", "FRAGMENT")  # fxrt/_speedups adds its own ops
 _LIB.define(
     "reinterpret_tensor(Tensor(a) self, SymInt[] size, SymInt[] stride, "
     "SymInt offset_increment=0) -> Tensor(a)"

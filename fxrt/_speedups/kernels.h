@@ -1,0 +1,172 @@
+// fxrt's own ops for CPU calls where ATen's kernel choice costs more host time than the math
+// (fxrt/ops/native_kernels.py rewrites graphs to them). Each computes what the ATen op computes,
+// with one of ATen's own CPU kernels, and calls the ATen op itself whenever its fast path does not
+// apply, so autograd, dispatch modes, subclasses and other devices see exactly the ATen op.
+//
+// fxrt::gelu(Tensor self, *, str approximate='none') -> Tensor, and its out= overload.
+//   aten::gelu on a contiguous float32 CPU tensor computes through oneDNN's eltwise primitive,
+//   whose per-call set-up costs about 9 us (measured: 1x256, 12.5 us against 3.1 us with oneDNN
+//   off); ATen's own vectorized GeluKernel, the one ATen runs whenever oneDNN is off or the input
+//   is not contiguous, is faster up to about 16K elements. fxrt::gelu runs that kernel up to
+//   kSmallGelu elements. Its results are ATen's GeluKernel's, which differ from oneDNN's in the
+//   last bit of some elements (at most 4.8e-7 absolute on N(0, 16) inputs).
+//
+// fxrt::layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias,
+//                  float eps) -> Tensor, and its out= overload.
+//   The first result of aten::native_layer_norm, for graphs that use only that one (inference).
+//   native_layer_norm allocates the normalized tensor plus the rows' means and inverse standard
+//   deviations, and reshapes the two; on all-float32 contiguous CPU tensors fxrt::layer_norm runs
+//   the same kernel (LayerNormKernel, which skips statistics it is given no tensor for) into one
+//   result, or into the arena. Results are identical to eager's.
+
+#pragma once
+
+#include "inline_ops.h"
+
+#include <ATen/TensorIterator.h>
+#include <ATen/native/Activation.h>
+#include <ATen/native/layer_norm.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/native_layer_norm.h>
+#include <c10/core/GradMode.h>
+#include <torch/library.h>
+
+#include <string_view>
+
+namespace fxrt {
+
+// The largest input fxrt::gelu computes with GeluKernel (measured crossover with oneDNN: between
+// 8K and 16K elements on one or two threads).
+constexpr int64_t kSmallGelu = 8192;
+
+// ATen's CPU kernels are reachable through their DispatchStubs where setup.py could declare the
+// CPU capabilities torch was built with (x86-64).
+#if defined(HAVE_AVX2_CPU_DEFINITION) && defined(HAVE_AVX512_CPU_DEFINITION)
+constexpr bool kCpuStubs = true;
+#else
+constexpr bool kCpuStubs = false;
+#endif
+
+inline bool small_gelu(const at::Tensor& self, std::string_view approximate) {
+  return kCpuStubs && approximate == "none" && plain_tensor(self) && self.device().is_cpu() &&
+      self.scalar_type() == at::kFloat && self.is_contiguous() && self.numel() <= kSmallGelu &&
+      !(c10::GradMode::is_enabled() && self.requires_grad());
+}
+
+inline void run_gelu_kernel(const at::Tensor& self, const at::Tensor& out) {
+  if constexpr (kCpuStubs) {
+    at::TensorIterator iter = at::TensorIterator::unary_op(const_cast<at::Tensor&>(out), self);
+    at::native::GeluKernel(at::kCPU, iter, at::native::GeluType::None);
+  }
+}
+
+// CompositeImplicitAutograd: it runs before autograd and dispatch modes, so everything but the
+// fast path is the plain aten::gelu call.
+inline at::Tensor gelu(const at::Tensor& self, c10::string_view approximate) {
+  if (!small_gelu(self, approximate)) {
+    return at::gelu(self, approximate);
+  }
+  at::Tensor out =
+      at::detail::empty_cpu(self.sizes(), at::kFloat, false, c10::MemoryFormat::Contiguous);
+  run_gelu_kernel(self, out);
+  return out;
+}
+
+// CPU only: the arena's out= form (fxrt.exec.arena), called without autograd or dispatch modes.
+inline at::Tensor& gelu_out(const at::Tensor& self, c10::string_view approximate, at::Tensor& out) {
+  if (small_gelu(self, approximate) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+      out.sizes().equals(self.sizes())) {
+    run_gelu_kernel(self, out);
+    return out;
+  }
+  return at::gelu_out(out, self, approximate);
+}
+
+// A float32 contiguous CPU tensor autograd will not record (undefined counts: an absent weight).
+inline bool plain_float(const at::Tensor& t) {
+  return !t.defined() ||
+      (plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+       t.is_contiguous() && !(c10::GradMode::is_enabled() && t.requires_grad()));
+}
+
+inline bool fast_layer_norm(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  return kCpuStubs && input.defined() && plain_float(input) && plain_float(weight) &&
+      plain_float(bias);
+}
+
+// Y = layer_norm(input) into `out` (input's sizes, contiguous), as native_layer_norm's CPU kernel.
+inline void run_layer_norm_kernel(
+    const at::Tensor& input,
+    at::IntArrayRef normalized_shape,
+    const at::Tensor& weight,
+    const at::Tensor& bias,
+    double eps,
+    at::Tensor& out) {
+  if constexpr (kCpuStubs) {
+    auto [M, N] = at::native::_check_layer_norm_inputs(input, normalized_shape, weight, bias);
+    if (M > 0) {
+      at::native::LayerNormKernel(at::kCPU, input, weight, bias, M, N, eps, &out, nullptr, nullptr);
+    }
+  }
+}
+
+inline at::Tensor layer_norm(
+    const at::Tensor& input,
+    at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias,
+    double eps) {
+  const at::Tensor& w = weight.has_value() ? *weight : at::Tensor();
+  const at::Tensor& b = bias.has_value() ? *bias : at::Tensor();
+  if (!fast_layer_norm(input, w, b)) {
+    return std::get<0>(at::native_layer_norm(input, normalized_shape, weight, bias, eps));
+  }
+  at::Tensor out =
+      at::detail::empty_cpu(input.sizes(), at::kFloat, false, c10::MemoryFormat::Contiguous);
+  run_layer_norm_kernel(input, normalized_shape, w, b, eps, out);
+  return out;
+}
+
+inline at::Tensor& layer_norm_out(
+    const at::Tensor& input,
+    at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias,
+    double eps,
+    at::Tensor& out) {
+  TORCH_CHECK(
+      out.sizes().equals(input.sizes()), "fxrt::layer_norm.out: out has sizes ", out.sizes(),
+      " but the input has ", input.sizes());
+  const at::Tensor& w = weight.has_value() ? *weight : at::Tensor();
+  const at::Tensor& b = bias.has_value() ? *bias : at::Tensor();
+  if (fast_layer_norm(input, w, b) && out.scalar_type() == at::kFloat && out.is_contiguous()) {
+    run_layer_norm_kernel(input, normalized_shape, w, b, eps, out);
+  } else {
+    out.copy_(std::get<0>(at::native_layer_norm(input, normalized_shape, weight, bias, eps)));
+  }
+  return out;
+}
+
+}  // namespace fxrt
+
+TORCH_LIBRARY_FRAGMENT(fxrt, m) {
+  m.def("gelu(Tensor self, *, str approximate='none') -> Tensor");
+  m.def("gelu.out(Tensor self, *, str approximate='none', Tensor(a!) out) -> Tensor(a!)");
+  m.def(
+      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps) -> Tensor");
+  m.def(
+      "layer_norm.out(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps, *, Tensor(a!) out) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(fxrt, CompositeImplicitAutograd, m) {
+  m.impl("gelu", TORCH_FN(fxrt::gelu));
+  m.impl("layer_norm", TORCH_FN(fxrt::layer_norm));
+}
+
+TORCH_LIBRARY_IMPL(fxrt, CPU, m) {
+  m.impl("gelu.out", TORCH_FN(fxrt::gelu_out));
+  m.impl("layer_norm.out", TORCH_FN(fxrt::layer_norm_out));
+}

@@ -1,0 +1,79 @@
+"""fxrt's own CPU ops, used in fxrt graphs where ATen's kernel choice costs more host time than
+the math.
+
+The compiled extension (``fxrt/_speedups/kernels.h``) registers them with the dispatcher when it
+loads. Each has its ATen op's schema and computes what the ATen op computes with one of ATen's
+own CPU kernels; it calls the ATen op itself whenever its fast path does not apply (another
+device or dtype, a large or non-contiguous input, autograd recording, a dispatch mode, a tensor
+subclass), so nothing but the fast path differs from eager.
+
+* ``fxrt::gelu``: ``aten::gelu`` (``approximate='none'``) on a contiguous float32 CPU tensor of at
+  most 8192 elements runs ATen's vectorized ``GeluKernel`` instead of oneDNN's eltwise primitive,
+  whose per-call set-up dominates at these sizes (1x256: 2.9 us against 14.4 us). Results are
+  those of ATen's kernel, which eager itself runs when oneDNN is off; they differ from oneDNN's
+  in the last bit of some elements.
+* ``fxrt::layer_norm``: ``aten::native_layer_norm`` when the graph uses only its first result
+  (the normalized tensor; inference never reads the means and inverse standard deviations it
+  also allocates and reshapes). On float32 contiguous CPU tensors it runs the same CPU kernel
+  into one result, or into the arena through its ``out=`` overload; results are eager's, bit for
+  bit.
+
+:func:`use_native_kernels` rewrites a graph's nodes to these ops; the compiler runs it after
+:func:`fxrt.ops.kernels.apply_kernel_overrides` (a user's override wins) unless
+``CompilerConfig(native_kernels=False)`` (``FXRT_NATIVE_KERNELS=0``). Without the extension the
+ops do not exist and graphs keep the ATen ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import Graph, Op, OpKind
+
+# ATen op -> fxrt op, for nodes whose (first) result is a float32 CPU tensor. ``gelu`` has
+# aten::gelu's schema; ``layer_norm`` takes native_layer_norm's arguments (``normalized_shape``
+# static) and returns only its first result.
+NATIVE_KERNELS: dict[str, str] = {"aten::gelu": "gelu", "aten::native_layer_norm": "layer_norm"}
+
+
+def available() -> dict[str, torch._ops.OpOverload]:
+    """The ATen op names that have an fxrt op in this process, with that op."""
+    from ..exec.native import extension_status
+
+    if not extension_status().usable:  # loading the extension registers the ops
+        return {}
+    ops = {}
+    for aten_name, name in NATIVE_KERNELS.items():
+        if torch._C._dispatch_has_kernel(f"fxrt::{name}"):
+            ops[aten_name] = getattr(torch.ops.fxrt, name).default
+    return ops
+
+
+def use_native_kernels(graph: Graph) -> Graph:
+    """Rewrite the nodes of ``graph`` that have an fxrt op (in place); return the graph."""
+    ops = available()
+    if not ops:
+        return graph
+    used = set(graph.output_ids())
+    for node in graph.nodes:
+        used.update(node.input_ids())
+    for node in graph.nodes:
+        op = ops.get(node.op.name) if node.op.kind is OpKind.ATEN else None
+        if op is None or not node.outputs:
+            continue
+        meta = graph.values[node.outputs[0]].meta
+        if meta is None or meta.device != "cpu" or meta.dtype != torch.float32:
+            continue
+        if node.op.name == "aten::native_layer_norm":
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+            static = isinstance(shape, (list, tuple)) and all(type(d) is int for d in shape)
+            if not static or used.intersection(node.outputs[1:]) or len(node.args) != 5:
+                continue
+            node.outputs, node.multi = node.outputs[:1], False
+        elif len(node.outputs) != 1:
+            continue
+        node.op = Op.of(op)
+    return graph
+
+
+__all__ = ["NATIVE_KERNELS", "available", "use_native_kernels"]

@@ -1,0 +1,150 @@
+"""fxrt's own CPU ops (fxrt/ops/native_kernels.py, fxrt/_speedups/kernels.h), on both loops.
+
+``fxrt::gelu`` must give exactly what ATen's own GELU kernel gives (eager with oneDNN off) on
+small float32 inputs, and exactly eager's result everywhere else; ``fxrt::layer_norm`` exactly
+eager's result. Graphs that still need what the ATen op returns keep it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import LoggingDispatchMode, skip_unless_executor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxrt
+from fxrt.ops import native_kernels
+
+pytestmark = [
+    pytest.mark.skipif(
+        not native_kernels.available(), reason="fxrt's own ops come with the compiled extension"
+    ),
+    # torch.backends.mkldnn.flags() sets oneDNN's TF32 flag too, and warns that it has no effect.
+    pytest.mark.filterwarnings("ignore:TF32 acceleration"),
+]
+
+
+def compiled(fn, inputs, executor, **options):
+    skip_unless_executor(executor)
+    gm = make_fx(fn)(*inputs)
+    cfg = fxrt.CompilerConfig(pure_python=executor == "python", cache=False, **options)
+    cg = fxrt.compile_graph(gm, list(inputs), cfg)
+    assert cg.executor == executor
+    return cg
+
+
+def aten_kernel(fn, *inputs):
+    """``fn`` in eager with oneDNN off: ATen's own CPU kernels."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        return fn(*inputs)
+
+
+def both_loops(fn, inputs, **options):
+    """fn compiled on each loop, called on ``inputs``: the two results, which must be equal."""
+    results = [compiled(fn, inputs, ex, **options)(*inputs) for ex in ("python", "cpp")]
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    return results[0]
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (3, 5, 7), (8192,)])
+def test_small_gelu_is_atens_own_kernel(executor, shape):
+    x = torch.randn(shape) * 4
+    cg = compiled(F.gelu, (x,), executor)
+    assert "fxrt::gelu(" in str(cg.program) and "aten::gelu" not in str(cg.program)
+    for inference in (False, True):  # the arena's gelu.out and the functional op
+        with torch.inference_mode(inference):
+            got = cg(x)
+        torch.testing.assert_close(got, aten_kernel(F.gelu, x), rtol=0, atol=0)
+        torch.testing.assert_close(got, F.gelu(x))  # eager (oneDNN) up to rounding
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.randn(8193), id="large"),
+        pytest.param(lambda: torch.randn(16, 32).t(), id="non-contiguous"),
+        pytest.param(lambda: torch.randn(64, dtype=torch.float64), id="float64"),
+    ],
+)
+def test_gelu_outside_the_fast_path_is_eagers(executor, make):
+    x = make()
+    with torch.inference_mode():
+        got = compiled(F.gelu, (x,), executor)(x)
+    torch.testing.assert_close(got, F.gelu(x), rtol=0, atol=0)
+
+
+def test_tanh_gelu_is_eagers(executor):
+    x = torch.randn(64)
+    fn = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+    got = compiled(fn, (x,), executor)(x)
+    torch.testing.assert_close(got, fn(x), rtol=0, atol=0)
+
+
+def test_loops_agree_bit_for_bit():
+    x = torch.randn(4, 300)
+    w, b = torch.randn(300), torch.randn(300)
+    both_loops(lambda x, w, b: F.layer_norm(F.gelu(x), [300], w, b), (x, w, b))
+
+
+def test_gelu_under_autograd(executor):
+    x = torch.randn(2, 64, requires_grad=True)
+    cg = compiled(F.gelu, (x.detach(),), executor)
+    got = cg(x)
+    assert got.requires_grad
+    got.sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    F.gelu(ref).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_a_dispatch_mode_sees_the_aten_ops(executor):
+    x, w = torch.randn(2, 64), torch.randn(64)
+    fn = lambda x, w: F.layer_norm(F.gelu(x), [64], w)  # noqa: E731
+    cg = compiled(fn, (x, w), executor)
+    with LoggingDispatchMode() as mode:
+        got = cg(x, w)
+    assert "aten.gelu.default" in mode.seen and "aten.native_layer_norm.default" in mode.seen
+    torch.testing.assert_close(got, fn(x, w))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_is_eagers(executor, affine):
+    m = torch.nn.LayerNorm([4, 32], elementwise_affine=affine)
+    if affine:
+        torch.nn.init.normal_(m.weight)
+        torch.nn.init.normal_(m.bias)
+    x = torch.randn(3, 4, 32)
+    with torch.no_grad():
+        cg = compiled(m, (x,), executor)
+        listing = str(cg.program)
+        assert "fxrt::layer_norm(" in listing and "via fxrt::layer_norm.out" not in listing
+        torch.testing.assert_close(cg(x), m(x), rtol=0, atol=0)
+        # Inside a graph the result is an intermediate: the arena holds it.
+        fn = lambda x: m(x) * 2  # noqa: E731
+        cg = compiled(fn, (x,), executor)
+        assert "via fxrt::layer_norm.out" in str(cg.program)
+        torch.testing.assert_close(cg(x), fn(x), rtol=0, atol=0)
+
+
+def test_layer_norm_keeps_the_statistics_a_graph_uses(executor):
+    x = torch.randn(2, 16)
+    fn = lambda x: torch.ops.aten.native_layer_norm.default(x, [16], None, None, 1e-5)  # noqa: E731
+    cg = compiled(fn, (x,), executor)
+    assert "aten::native_layer_norm(" in str(cg.program)
+    torch.testing.assert_close(cg(x), fn(x), rtol=0, atol=0)
+
+
+def test_native_kernels_off_keeps_the_aten_ops(executor):
+    x = torch.randn(2, 16)
+    fn = lambda x: F.layer_norm(F.gelu(x), [16])  # noqa: E731
+    cg = compiled(fn, (x,), executor, native_kernels=False)
+    listing = str(cg.program)
+    assert "fxrt::" not in listing and "aten::gelu(" in listing
+    torch.testing.assert_close(cg(x), fn(x), rtol=0, atol=0)
+
+
+def test_out_overload_checks_its_output():
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="out has sizes"):
+        torch.ops.fxrt.layer_norm.out(x, [16], None, None, 1e-5, out=torch.empty(3))
