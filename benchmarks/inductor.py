@@ -64,9 +64,12 @@ def measure_cpu(
 
 
 def fresh_entry(model: torch.nn.Module, name: str) -> Callable[..., Any]:
-    """``model(*args)`` behind a function with a code object of its own. Dynamo caches compiled
-    code per code object, and with inlined nn.Modules its guards accept any instance of the same
-    class, so two competitors compiling copies of one model would otherwise share one graph."""
+    """``model(*args)`` behind a function with a code object of its own, named ``name``. Dynamo
+    caches compiled code per code object, and with inlined nn.Modules its guards accept any
+    instance of the same class, so two competitors compiling copies of one model would otherwise
+    share one graph. The name must differ per workload too: Dynamo remembers the input sizes each
+    function (by file name, line and name) was called with, and one called with new sizes is
+    compiled again with dynamic shapes (``automatic_dynamic_shapes``)."""
     namespace = {"model": model}
     exec(compile("def entry(*args):\n    return model(*args)\n", f"<{name}>", "exec"), namespace)
     return namespace["entry"]
@@ -100,7 +103,7 @@ def _sharing_parameters(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def compile_competitors(
-    model: torch.nn.Module, inputs: tuple, python_loop: bool
+    wname: str, model: torch.nn.Module, inputs: tuple, python_loop: bool
 ) -> dict[str, tuple[Callable, Callable]]:
     """name -> (full call, host-only call); each competitor compiles its own copy of the model
     (parameters shared, see :func:`_sharing_parameters`)."""
@@ -112,7 +115,7 @@ def compile_competitors(
         variants.append(("inductor+fxrt[py]", fxrt.CompilerConfig(pure_python=True)))
     compiled: dict[str, tuple[Callable, Any]] = {}
     for name, config in variants:
-        entry = fresh_entry(_sharing_parameters(model), name)
+        entry = fresh_entry(_sharing_parameters(model), f"{wname}: {name}")
         if config is not None:
             fxrt.register_fx_wrapper(config)
         try:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not any(wname.startswith(o) for o in args.only.split(",")):
             continue
         with torch.inference_mode():
-            fns = compile_competitors(model, inputs, args.python_loop)
+            fns = compile_competitors(wname, model, inputs, args.python_loop)
             check_outputs(model, fns, inputs)
             timed = {f"{n} full": full for n, (full, _) in fns.items()}
             timed |= {f"{n} host": _ignoring_inputs(host) for n, (_, host) in fns.items()}
