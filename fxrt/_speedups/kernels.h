@@ -47,15 +47,21 @@ constexpr bool kCpuStubs = true;
 constexpr bool kCpuStubs = false;
 #endif
 
-inline bool small_gelu(const at::Tensor& self, std::string_view approximate) {
-  return kCpuStubs && approximate == "none" && plain_tensor(self) && self.device().is_cpu() &&
-      self.scalar_type() == at::kFloat && self.is_contiguous() && self.numel() <= kSmallGelu &&
-      !(c10::GradMode::is_enabled() && self.requires_grad());
+// A float32 contiguous CPU tensor autograd will not record (undefined counts: an absent weight).
+inline bool plain_float(const at::Tensor& t) {
+  return !t.defined() ||
+      (plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+       t.is_contiguous() && !(c10::GradMode::is_enabled() && t.requires_grad()));
 }
 
-inline void run_gelu_kernel(const at::Tensor& self, const at::Tensor& out) {
+inline bool small_gelu(const at::Tensor& self, std::string_view approximate) {
+  return kCpuStubs && approximate == "none" && self.defined() && plain_float(self) &&
+      self.numel() <= kSmallGelu;
+}
+
+inline void run_gelu_kernel(const at::Tensor& self, at::Tensor& out) {
   if constexpr (kCpuStubs) {
-    at::TensorIterator iter = at::TensorIterator::unary_op(const_cast<at::Tensor&>(out), self);
+    at::TensorIterator iter = at::TensorIterator::unary_op(out, self);
     at::native::GeluKernel(at::kCPU, iter, at::native::GeluType::None);
   }
 }
@@ -80,13 +86,6 @@ inline at::Tensor& gelu_out(const at::Tensor& self, c10::string_view approximate
     return out;
   }
   return at::gelu_out(out, self, approximate);
-}
-
-// A float32 contiguous CPU tensor autograd will not record (undefined counts: an absent weight).
-inline bool plain_float(const at::Tensor& t) {
-  return !t.defined() ||
-      (plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
-       t.is_contiguous() && !(c10::GradMode::is_enabled() && t.requires_grad()));
 }
 
 inline bool fast_layer_norm(
