@@ -23,15 +23,18 @@ namespace fxrt {
 
 // A tensor the dispatcher would hand straight to its CPU (or other backend) kernel: no dispatch
 // mode active, no subclass, no functional wrapper, and strided with a storage.
-inline bool plain_tensor(const IValue& v) {
-  if (!v.isTensor() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+inline bool plain_tensor(const at::Tensor& self) {
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set()) {
     return false;
   }
-  const at::Tensor& self = v.toTensor();
   // Functionality keys only: a backend key such as Meta would also match every dense tensor.
   constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
   return self.defined() && self.layout() == c10::kStrided && self.has_storage() &&
       !self.key_set().has_any(wrapped);
+}
+
+inline bool plain_tensor(const IValue& v) {
+  return v.isTensor() && plain_tensor(v.toTensor());
 }
 
 // A new TensorImpl on `self`'s storage with the given geometry, as ATen's CPU view kernels make
@@ -51,8 +54,9 @@ inline at::Tensor raw_alias(
 
 // fxrt::reinterpret_tensor (fxrt/ops/reinterpret.py), Inductor's reinterpret_tensor with a view
 // schema: a new TensorImpl on the same storage, the offset an increment of self's; no view
-// tracking, as in Inductor's own Python wrapper (torch/csrc/inductor/inductor_ops.cpp). Its dispatcher round trip costs several times the alias itself (fxrt's Inductor host
-// graphs make one per weight and buffer view), so a call with constant geometry is made inline.
+// tracking, as in Inductor's own Python wrapper (torch/csrc/inductor/inductor_ops.cpp). Its
+// dispatcher round trip costs several times the alias itself (fxrt's Inductor host graphs make
+// one per weight and buffer view), so a call with constant geometry is made inline.
 inline void bind_reinterpret(CallOp& call) {
   const c10::FunctionSchema& schema = call.op.schema();
   if (schema.name() != "fxrt::reinterpret_tensor" || !schema.overload_name().empty() ||
