@@ -5,23 +5,36 @@ Use it as a ``torch.compile`` backend::
     compiled = torch.compile(model, backend="fxrt")
 
 or compile an ATen-level FX graph directly with :func:`compile_graph`.
+
+The public names are imported on first use, so that ``python -m fxrt cache list`` answers
+without importing torch; ``import fxrt`` followed by any attribute access loads them all.
 """
 
-from .backend import backend
-from .compiler import CompiledGraph, compile_graph, get_compiler
-from .config import CompilerConfig
-from .errors import ExecutionError
-from .inductor import (
-    get_fused_kernel_payload,
-    register_fused_kernel,
-    register_fx_wrapper,
-    unregister_fx_wrapper,
-)
-from .ops.kernels import load_kernel_library, register_kernel, unregister_kernel
-from .profiler import Profile, profile
-from .runtime import runtime_info
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "backend": ".backend",
+    "CompiledGraph": ".compiler",
+    "compile_graph": ".compiler",
+    "get_compiler": ".compiler",
+    "CompilerConfig": ".config",
+    "ExecutionError": ".errors",
+    "get_fused_kernel_payload": ".inductor",
+    "register_fused_kernel": ".inductor",
+    "register_fx_wrapper": ".inductor",
+    "unregister_fx_wrapper": ".inductor",
+    "load_kernel_library": ".ops.kernels",
+    "register_kernel": ".ops.kernels",
+    "unregister_kernel": ".ops.kernels",
+    "Profile": ".profiler",
+    "profile": ".profiler",
+    "runtime_info": ".runtime",
+}
 
 __all__ = [
     "CompiledGraph",
@@ -42,3 +55,35 @@ __all__ = [
     "unregister_kernel",
     "__version__",
 ]
+assert set(__all__) == {*_PUBLIC, "__version__"}
+
+
+def _load_all() -> None:
+    for name, module in _PUBLIC.items():
+        globals()[name] = getattr(importlib.import_module(module, __name__), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        _load_all()
+        return globals()[name]
+    try:
+        return importlib.import_module(f".{name}", __name__)  # a submodule: fxrt.cache
+    except ModuleNotFoundError:
+        raise AttributeError(f"module 'fxrt' has no attribute {name!r}") from None
+
+
+if TYPE_CHECKING:
+    from .backend import backend
+    from .compiler import CompiledGraph, compile_graph, get_compiler
+    from .config import CompilerConfig
+    from .errors import ExecutionError
+    from .inductor import (
+        get_fused_kernel_payload,
+        register_fused_kernel,
+        register_fx_wrapper,
+        unregister_fx_wrapper,
+    )
+    from .ops.kernels import load_kernel_library, register_kernel, unregister_kernel
+    from .profiler import Profile, profile
+    from .runtime import runtime_info

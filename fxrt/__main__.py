@@ -8,25 +8,42 @@ import sys
 
 
 def _cache(action: str, directory: str | None) -> int:
-    from . import cache
-    from .serialize import versions
+    # The index answers; torch is not imported (this takes well under a second).
+    from .cachestore import Store, cache_dir, total_bytes
 
-    store = cache.DiskCache(cache.cache_dir(directory))
-    entries = store.entries()
+    store = Store(cache_dir(directory))
+    entries = store.index() if store.root.is_dir() else {}
     if action == "list":
-        for p in entries:
-            st = p.stat()
-            when = datetime.datetime.fromtimestamp(st.st_mtime).isoformat(timespec="seconds")
-            print(f"{p.stem}  {st.st_size:>10} B  {when}")
-        print(f"{len(entries)} entries in {store.root}")
+        print(
+            f"{'key':16}  {'graph':40}  {'ops':>5}  {'bytes':>10}  {'created':19}  "
+            f"{'last used':19}  versions"
+        )
+        for key, r in sorted(entries.items(), key=lambda kv: -_num(kv[1].get("last_used"))):
+            v = r.get("versions") if isinstance(r.get("versions"), dict) else {}
+            print(
+                f"{key[:16]}  {str(r.get('name', '?'))[:40]:40}  {_num(r.get('ops')):>5}  "
+                f"{_num(r.get('bytes')):>10}  {_when(r.get('created'))}  "
+                f"{_when(r.get('last_used'))}  "
+                f"torch {v.get('torch', '?')}, fxrt {v.get('fxrt', '?')}"
+            )
+        print(f"{len(entries)} entries, {total_bytes(entries)} bytes in {store.root}")
     elif action == "info":
-        total = sum(p.stat().st_size for p in entries)
         print(f"directory: {store.root}")
-        print(f"entries:   {len(entries)} ({total} bytes)")
-        print("versions:  " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+        print(f"entries:   {len(entries)} ({total_bytes(entries)} bytes)")
     else:
-        print(f"removed {store.clear()} entries from {store.root}")
+        n = store.clear() if store.root.is_dir() else 0
+        print(f"removed {n} entries from {store.root}")
     return 0
+
+
+def _num(x: object) -> int:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0
+
+
+def _when(t: object) -> str:
+    if not isinstance(t, (int, float)):
+        return "?".ljust(19)
+    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")
 
 
 def main(argv: list[str] | None = None) -> int:

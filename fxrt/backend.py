@@ -81,7 +81,7 @@ def _compile_inference(
 
     if not static:
         return build()
-    return cached_compile(key_graph, example_inputs, config, build)
+    return cached_compile(key_graph, example_inputs, config, build, gm)
 
 
 def is_inference(example_inputs: Sequence[Any]) -> bool:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import cache, profiler
+from .artifact import ArtifactError, TensorRecord, content_hash, decode_tensor, pack, unpack
 from .config import CompilerConfig
 from .dump import Dumper
 from .exec.arena import inline_views, plan_arena, verify_arena
@@ -24,7 +28,9 @@ from .ops.kernels import apply_kernel_overrides
 from .ops.native_kernels import use_native_kernels
 from .passes import PassRecord, run_passes
 from .passes.user import run_user_pass
-from .serialize import SerializationError, dump_graph, load_graph
+from .serialize import SerializationError, decode_graph, dump_graph, encode_graph, load_graph
+
+log = logging.getLogger("fxrt")
 
 _graph_ids = itertools.count()
 _profiling = profiler._active  # non-empty while an fxrt.profile() block is open
@@ -86,25 +92,32 @@ class CompiledGraph:
         return out
 
     def dump_artifacts(self) -> bytes:
-        """A self-contained, data-only artifact: the IR, the plan, the constants the graph owns,
-        and the fxrt and torch versions. :meth:`load_artifacts` rebuilds the graph from it.
+        """A self-contained, data-only artifact: the IR, the constants the graph owns, the pass
+        records, and the fxrt and torch versions (see :mod:`fxrt.serialize`).
+        :meth:`load_artifacts` rebuilds the graph from it.
 
         Raises:
             SerializationError: the graph holds something the format cannot name (a higher-order
-                op with Python subgraphs, an arbitrary Python callable).
+                op with Python subgraphs, a Python callable other than pure arithmetic).
         """
-        return dump_graph(self.graph, self.plan, self.pass_records)
+        return dump_graph(self.graph, self.pass_records)
 
     @classmethod
     def load_artifacts(cls, artifact: bytes, config: CompilerConfig | None = None) -> CompiledGraph:
-        """Rebuild a runnable graph from :meth:`dump_artifacts` bytes without compiling; loads
-        data only (``torch.load(weights_only=True)``), never code.
+        """Rebuild a runnable graph from :meth:`dump_artifacts` bytes without compiling. Loads
+        data only and validates all of it; the plan and program are recomputed.
 
         Raises:
-            SerializationError: not an fxrt artifact, corrupt, or made by another fxrt/torch.
+            SerializationError: not an fxrt artifact, damaged, invalid, or made by another
+                fxrt/torch.
         """
         graph, plan, records = load_graph(artifact)
-        config = config or CompilerConfig()
+        return cls._rebuilt(graph, plan, records, config or CompilerConfig())
+
+    @classmethod
+    def _rebuilt(
+        cls, graph: Graph, plan: Plan, records: list[Any], config: CompilerConfig
+    ) -> CompiledGraph:
         cg = cls(graph, plan, _lower(graph, plan, config), config)
         cg.pass_records = records
         return cg
@@ -131,28 +144,131 @@ def cached_compile(
     example_inputs: Sequence[Any] | None,
     config: CompilerConfig,
     build: Callable[[], CompiledGraph],
+    gm: torch.fx.GraphModule | None = None,
 ) -> CompiledGraph:
-    """``build()``, or the on-disk cache's entry for ``key_graph`` when there is one."""
+    """``build()``, or the on-disk cache's entry for ``key_graph`` when there is one.
+
+    The key, the load and the store run outside any fake or dispatch mode (Dynamo calls backends
+    under its fake mode): constants are hashed and loaded as the real tensors they are. On a hit,
+    the graph's constants that were the caller's own (parameters, buffers) are the caller's
+    tensors of this process, and source lines in errors are this process's.
+    """
     if not config.cache:
         return build()
-    key = cache.cache_key(
-        graph_to_text(key_graph), example_inputs or (), list(key_graph.constants.values()), config
-    )
-    store = cache.DiskCache(cache.cache_dir(config.cache_dir))
-    hit = store.get(key, lambda data: CompiledGraph.load_artifacts(data, config))
+    name = cache.graph_name(key_graph)
+    with _disable_current_modes():
+        try:
+            key = cache.cache_key(key_graph, example_inputs or (), config)
+        except cache.Unkeyable as e:
+            cache.stats["uncached"] += 1
+            log.debug("fxrt cache: not caching %s: %s", name, e)
+            return build()
+        store = cache.open_store(config)
+        if store is None:
+            return build()
+        hit = _load_entry(store, key, key_graph, config)
     if hit is not None:
         cache.stats["hit"] += 1
+        log.info("fxrt cache: hit %s key %s", name, key[:16])
+        if config.dump_dir:
+            _dump_hit(config.dump_dir, gm, hit, store.entry_path(key))
         return hit
     cache.stats["miss"] += 1
+    log.info("fxrt cache: miss %s key %s", name, key[:16])
+    # What the entry refers to, taken before build(), whose passes may edit ``key_graph``.
+    caller = list(key_graph.constants.values())
+    traces = [n.stack_trace for n in key_graph.nodes]
     cg = build()
-    try:
-        data = cg.dump_artifacts()
-    except SerializationError:
-        cache.stats["unserializable"] += 1  # e.g. a higher-order op: compiled, just not stored
-        return cg
-    store.put(key, data)
-    cache.stats["stored"] += 1
+    with _disable_current_modes():
+        _store_entry(store, key, caller, traces, cg, name)
     return cg
+
+
+def _load_entry(
+    store: cache.Store, key: str, key_graph: Graph, config: CompilerConfig
+) -> CompiledGraph | None:
+    found = store.read(key)
+    if found is None:
+        return None
+    data, record = found
+    path = store.entry_path(key)
+    try:
+        if record.get("sha256") != content_hash(data):
+            raise SerializationError("content does not match the index's SHA-256")
+        try:
+            doc, _ = unpack(data)
+        except ArtifactError as e:
+            raise SerializationError(str(e)) from None
+
+        def fetch(_name: str, r: TensorRecord) -> torch.Tensor:
+            try:
+                return decode_tensor(r, store.read_blob(r.sha256))
+            except OSError as e:
+                raise SerializationError(f"tensor bytes missing: {e}") from None
+
+        caller = list(key_graph.constants.values())
+        graph, plan, records, traces = decode_graph(doc, fetch, caller)
+        for node, i in zip(graph.nodes, traces):
+            if i is not None and i < len(key_graph.nodes):
+                node.stack_trace = key_graph.nodes[i].stack_trace  # this process's source line
+        cg = CompiledGraph._rebuilt(graph, plan, records, config)
+    except (SerializationError, ArtifactError) as e:
+        cache.stats["rejected"] += 1
+        warnings.warn(
+            f"fxrt cache: ignoring unusable entry {path} ({e}); removed it and compiling again",
+            stacklevel=4,
+        )
+        store.remove(key)
+        return None
+    store.touch(key)
+    return cg
+
+
+def _store_entry(
+    store: cache.Store,
+    key: str,
+    caller: list[Any],
+    caller_traces: list[str | None],
+    cg: CompiledGraph,
+    name: str,
+) -> None:
+    first_with: dict[str, int] = {}
+    for i, trace in enumerate(caller_traces):
+        if trace:
+            first_with.setdefault(trace, i)
+    traces = [first_with.get(n.stack_trace) if n.stack_trace else None for n in cg.graph.nodes]
+    try:
+        doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces)
+    except SerializationError as e:
+        cache.stats["uncached"] += 1  # e.g. a higher-order op: compiled, just not stored
+        log.debug("fxrt cache: not storing %s: %s", name, e)
+        return
+    data = pack(doc, tensors, inline=False)
+    record = {
+        "name": name,
+        "ops": len(cg.graph.nodes),
+        "versions": doc["versions"],
+        "sha256": content_hash(data),
+    }
+    try:
+        store.write(key, data, {r.sha256: r.payload or b"" for r in tensors.values()}, record)
+    except OSError as e:
+        warnings.warn(f"fxrt cache: cannot store {name} in {store.root} ({e})", stacklevel=4)
+        return
+    cache.stats["stored"] += 1
+    log.info("fxrt cache: stored %s key %s (%d bytes)", name, key[:16], len(data))
+
+
+def _dump_hit(root: str, gm: torch.fx.GraphModule | None, cg: CompiledGraph, entry: Any) -> None:
+    dump = Dumper(root)
+    if gm is not None:
+        dump.fx("input_fx.txt", gm)
+    dump.write(
+        "cache_hit.txt",
+        f"loaded from the compile cache entry {entry}; the files of each pass were written "
+        "by the process that compiled it",
+    )
+    dump.final(cg.graph, cg.program)
 
 
 def compile_graph(
@@ -173,7 +289,7 @@ def compile_graph(
     config = config or CompilerConfig()
     graph = from_fx(gm, example_inputs)
     return cached_compile(
-        graph, example_inputs, config, lambda: _compile(gm, example_inputs, config, graph)
+        graph, example_inputs, config, lambda: _compile(gm, example_inputs, config, graph), gm
     )
 
 

@@ -65,7 +65,10 @@ class CompilerConfig:
             :mod:`fxrt.ops.native_kernels`). Default from ``FXRT_NATIVE_KERNELS`` (on).
         cache: use the on-disk compile cache. Default from ``FXRT_CACHE`` (on).
         cache_dir: where the cache lives. Default from ``FXRT_CACHE_DIR``, else
-            ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``.
+            ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``. A directory that cannot be created
+            or written gives one warning, and graphs are compiled without the cache.
+        cache_max_bytes: the most bytes the cache directory may hold; least-recently-used
+            entries are evicted past it. Default from ``FXRT_CACHE_MAX_BYTES`` (1 GiB).
         mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows; on CPU they
             all run the same program (``reduce-overhead`` is where device-graph capture hooks in).
     """
@@ -82,6 +85,7 @@ class CompilerConfig:
     native_kernels: bool = field(default_factory=lambda: env_flag("FXRT_NATIVE_KERNELS", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
+    cache_max_bytes: int = field(default_factory=lambda: env_int("FXRT_CACHE_MAX_BYTES", 1 << 30))
     mode: str = "default"
 
     def __post_init__(self) -> None:

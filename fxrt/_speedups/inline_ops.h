@@ -52,6 +52,36 @@ inline at::Tensor raw_alias(
   return alias;
 }
 
+// True when the geometry reads only bytes of `self`'s storage (what as_strided checks): a graph
+// loaded from a file must never alias memory outside its tensors.
+inline bool within_storage(
+    const at::Tensor& self,
+    const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& strides,
+    int64_t offset) {
+  if (sizes.size() != strides.size() || offset < 0) {
+    return false;
+  }
+  int64_t last = offset;  // the highest element index read
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0 || strides[i] < 0) {
+      return false;
+    }
+    if (sizes[i] == 0) {
+      return true;  // reads nothing
+    }
+    int64_t span = 0;
+    if (__builtin_mul_overflow(sizes[i] - 1, strides[i], &span) ||
+        __builtin_add_overflow(last, span, &last)) {
+      return false;
+    }
+  }
+  const int64_t itemsize = static_cast<int64_t>(self.dtype().itemsize());
+  int64_t end = 0;
+  return !__builtin_mul_overflow(last + 1, itemsize, &end) &&
+      end <= static_cast<int64_t>(self.storage().nbytes());
+}
+
 // fxrt::reinterpret_tensor (fxrt/ops/reinterpret.py), Inductor's reinterpret_tensor with a view
 // schema: a new TensorImpl on the same storage, the offset an increment of self's; no view
 // tracking, as in Inductor's own Python wrapper (torch/csrc/inductor/inductor_ops.cpp). Its
@@ -85,9 +115,12 @@ inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
     return false;
   }
   const at::Tensor& self = v.toTensor();
+  const int64_t offset = self.storage_offset() + call.reinterpret_offset;
+  if (!within_storage(self, *call.reinterpret_sizes, *call.reinterpret_strides, offset)) {
+    return false;  // as_strided raises its own error
+  }
   regs[static_cast<size_t>(call.outputs[0])] = raw_alias(
-      self, *call.reinterpret_sizes, *call.reinterpret_strides,
-      self.storage_offset() + call.reinterpret_offset);
+      self, *call.reinterpret_sizes, *call.reinterpret_strides, offset);
   return true;
 }
 
@@ -110,6 +143,11 @@ inline void bind_empty_strided(CallOp& call) {
     return;
   }
   CallOp::EmptyStrided e{v(0).toIntVector(), v(1).toIntVector()};
+  if (e.sizes.size() != e.strides.size() ||
+      std::any_of(e.sizes.begin(), e.sizes.end(), [](int64_t s) { return s < 0; }) ||
+      std::any_of(e.strides.begin(), e.strides.end(), [](int64_t s) { return s < 0; })) {
+    return;  // the dispatcher raises the op's own error
+  }
   e.dtype = v(2).toOptional<at::ScalarType>();
   e.layout = v(3).toOptional<at::Layout>();
   e.device = v(4).toOptional<at::Device>();

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import inspect
 import os
 import threading
@@ -75,15 +74,13 @@ class KernelOverride:
         return isinstance(self.target, torch._ops.OpOverload)
 
     def describe(self) -> str:
-        """A stable text for the cache key: the replacement's name and schema (or source)."""
+        """A stable text for the cache key: the replacement's name and schema, or for a Python
+        function its fingerprint (code, closure, globals; raises ``fxrt.cache.Unkeyable``)."""
         if self.is_op:
             return f"op:{self.target._schema}"
-        try:
-            code = inspect.getsource(self.target)
-        except (OSError, TypeError):
-            code = ""
-        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
-        return f"python:{callable_name(self.target)}:{digest}"
+        from ..cache import fingerprint
+
+        return f"python:{callable_name(self.target)}:{fingerprint(self.target)}"
 
 
 @dataclass(frozen=True)
