@@ -77,7 +77,7 @@ def _compile_inference(
 
     def build() -> Any:
         aten, fake_inputs = trace_to_aten(gm, example_inputs)
-        return _compile(aten, fake_inputs, config)
+        return _compile(aten, fake_inputs, config, owned_constants=True)
 
     if not static:
         return build()

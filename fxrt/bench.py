@@ -47,8 +47,9 @@ def _compiled(model: torch.nn.Module, backend: str, **kw: Any) -> Callable:
 
 
 def _direct(model: torch.nn.Module, inputs: tuple, pure_python: bool) -> Callable | None:
-    gm = make_fx(model)(*inputs)  # parameters become constants the graph owns
-    cg = compile_graph(gm, inputs, CompilerConfig(pure_python=pure_python))
+    gm = make_fx(model)(*inputs)  # parameters become constants of the graph
+    # Frozen, as Static Runtime's module is (torch.jit.freeze): weights may be folded.
+    cg = compile_graph(gm, inputs, CompilerConfig(pure_python=pure_python, freeze=True))
     if cg.executor != ("python" if pure_python else "cpp"):
         return None
     return cg

@@ -278,6 +278,9 @@ def compile_graph(
 ) -> CompiledGraph:
     """Compile an ATen-level GraphModule with fxrt.
 
+    The graph's constants (``get_attr``: a ``make_fx`` graph's parameters and buffers) stay the
+    caller's live tensors: they are not folded unless ``config.freeze`` is set.
+
     Args:
         gm: the graph, e.g. as AOTAutograd or ``torch.export`` produce it.
         example_inputs: example (or fake) inputs, used for metadata the graph lacks.
@@ -286,11 +289,21 @@ def compile_graph(
     Returns:
         A :class:`CompiledGraph` that replaces ``gm``'s execution.
     """
-    config = config or CompilerConfig()
+    return _compile_cached(gm, example_inputs, config or CompilerConfig(), owned_constants=False)
+
+
+def _compile_cached(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any] | None,
+    config: CompilerConfig,
+    owned_constants: bool,
+) -> CompiledGraph:
     graph = from_fx(gm, example_inputs)
-    return cached_compile(
-        graph, example_inputs, config, lambda: _compile(gm, example_inputs, config, graph), gm
-    )
+
+    def build() -> CompiledGraph:
+        return _compile(gm, example_inputs, config, graph, owned_constants=owned_constants)
+
+    return cached_compile(graph, example_inputs, config, build, gm)
 
 
 def _compile(
@@ -298,8 +311,14 @@ def _compile(
     example_inputs: Sequence[Any] | None,
     config: CompilerConfig,
     graph: Graph | None = None,
+    *,
+    owned_constants: bool,
 ) -> CompiledGraph:
-    """The pipeline: [user pre pass] -> IR -> passes -> [user post pass] -> plan -> lower."""
+    """The pipeline: [user pre pass] -> IR -> passes -> [user post pass] -> plan -> lower.
+
+    ``owned_constants``: the graph's constants are its own (tensor literals Dynamo or AOTAutograd
+    made; the model's weights are graph inputs there), so constant folding may fold them. Else
+    only ``config.freeze`` lets it fold them."""
     cache.stats["compiled"] += 1
     dump = Dumper(config.dump_dir) if config.dump_dir else None
     if dump:
@@ -324,6 +343,7 @@ def _compile(
         config.pass_names(),
         check=config.verify,
         fold_max_bytes=config.fold_max_bytes,
+        foldable=None if owned_constants or config.freeze else frozenset(),
         on_pass=(lambda name, g: dump.ir(f"after_{name}.txt", g)) if dump else None,
     )
     if config.post_grad_custom_post_pass is not None:
@@ -371,6 +391,7 @@ def get_compiler(
     config = config or CompilerConfig()
 
     def fxrt_compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
-        return compile_graph(gm, example_inputs, config)
+        # AOTAutograd lifts parameters and buffers to inputs: its constants are literals.
+        return _compile_cached(gm, example_inputs, config, owned_constants=True)
 
     return fxrt_compiler

@@ -53,6 +53,10 @@ class CompilerConfig:
             Default from ``FXRT_OPT_LEVEL`` (2).
         passes: an explicit, ordered list of built-in pass names; overrides ``opt_level``.
         fold_max_bytes: the largest result constant folding may create (16 MiB).
+        freeze: fold the graph's constants that are the caller's weights (the parameters and
+            buffers of a graph handed to ``compile_graph``), like ``torch.jit.freeze`` and
+            Inductor's freezing. The weights must not change afterwards: later updates are not
+            seen. Off: weights stay live, and only constants no caller can reach are folded.
         post_grad_custom_pre_pass: ``fn(gm, example_inputs, config)`` run on the ATen-level FX
             graph before the built-in passes (TorchAir's interface); edits ``gm`` in place.
         post_grad_custom_post_pass: the same, after the built-in passes.
@@ -78,6 +82,7 @@ class CompilerConfig:
     opt_level: int = field(default_factory=lambda: env_int("FXRT_OPT_LEVEL", 2))
     passes: list[str] | None = None
     fold_max_bytes: int = 16 * 1024 * 1024
+    freeze: bool = False
     post_grad_custom_pre_pass: Callable[..., Any] | None = None
     post_grad_custom_post_pass: Callable[..., Any] | None = None
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)

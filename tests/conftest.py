@@ -133,3 +133,13 @@ def _register_hypothesis_profiles() -> None:
 
 
 _register_hypothesis_profiles()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """With ``FXRT_STATS_FILE`` set (the warm tier's child runs), write the cache's counters."""
+    path = os.environ.get("FXRT_STATS_FILE")
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(dict(fxrt.cache.stats), f)

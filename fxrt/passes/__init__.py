@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..ir import Graph, graph_to_text, verify
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_code import eliminate_dead_code
-from .fold_constants import fold_constants
+from .fold_constants import DEFAULT_MAX_BYTES, fold_constants
 from .remove_noops import remove_noops
 
 PASSES: dict[str, Callable[[Graph], Graph]] = {
@@ -54,17 +54,22 @@ def run_passes(
     *,
     check: bool = True,
     fold_max_bytes: int | None = None,
+    foldable: Collection[int] | None = None,
     on_pass: Callable[[str, Graph], None] | None = None,
 ) -> tuple[Graph, list[PassRecord]]:
-    """Run the named passes in order; return the graph and one record per pass."""
+    """Run the named passes in order; return the graph and one record per pass.
+
+    ``foldable`` names the constants ``fold_constants`` may fold through (None: all of them)."""
     records = []
     for name in names:
         fn = PASSES[name]
         before = graph_to_text(graph)
         t0 = time.perf_counter()
         try:
-            if name == "fold_constants" and fold_max_bytes is not None:
-                graph = fold_constants(graph, fold_max_bytes)
+            if name == "fold_constants":
+                graph = fold_constants(
+                    graph, fold_max_bytes or DEFAULT_MAX_BYTES, foldable=foldable
+                )
             else:
                 graph = fn(graph)
             if check:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..exec.plan import plan_lifetimes
-from ..ir.graph import Graph, Node, OpKind, refs_in
+from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in
 from ..ops.aliasing import bind_schema_args, is_collective
 
 
@@ -47,9 +47,16 @@ def written_values(node: Node) -> list[int]:
 
 
 def mutated_alias_roots(graph: Graph) -> set[int]:
-    """Alias-set representatives (``Plan.alias_root``) of every storage some node writes."""
+    """Alias-set representatives (``Plan.alias_root``) of every storage some node writes.
+
+    Graph inputs may alias one another at run time (two views of one tensor passed as two
+    inputs), so a write to any input counts as a write to every tensor input."""
     root = plan_lifetimes(graph).alias_root
-    return {root[v] for node in graph.nodes for v in written_values(node)}
+    written = {root[v] for node in graph.nodes for v in written_values(node)}
+    inputs = {root[v] for v in graph.inputs if graph.values[v].kind is ValueKind.TENSOR}
+    if written & inputs:
+        written |= inputs
+    return written
 
 
 def alias_roots(graph: Graph) -> tuple[int, ...]:

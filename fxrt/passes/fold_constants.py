@@ -1,5 +1,13 @@
 """Constant folding: run, at compile time, pure ops whose inputs are all constants.
 
+Only constants the caller cannot reach are folded through: tensor literals of Dynamo's graph (its
+parameters and buffers are graph inputs), and the results of earlier folds. A graph handed to
+``compile_graph`` holds the caller's weights as constants; those stay live (an in-place update
+after compiling changes the next result, and autograd reaches them) and are folded only when the
+user asks for ``freeze``, which promises that they never change. ``foldable`` says which constants
+may be folded (None: all). Folding runs with autograd off and outside inference mode, so a folded
+constant is a plain tensor in every later grad mode.
+
 The results become constants the graph owns. Constants some node writes (a buffer updated in
 place) are never folded through, since their value changes from call to call. A result larger
 than ``max_bytes`` is not folded, so folding never blows up memory (an ``expand`` of a constant
@@ -9,6 +17,7 @@ each call must return a new tensor, as eager does, not one shared constant.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -28,11 +37,17 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
-def fold_constants(graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES) -> Graph:
+def fold_constants(
+    graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES, foldable: Collection[int] | None = None
+) -> Graph:
     mutated = mutated_alias_roots(graph)
     root = alias_roots(graph)
     returned = output_alias_roots(graph, root)
-    known = {v: c for v, c in graph.constants.items() if root[v] not in mutated}
+    known = {
+        v: c
+        for v, c in graph.constants.items()
+        if root[v] not in mutated and (foldable is None or v in foldable)
+    }
     kept = []
     for node in graph.nodes:
         ins = node.input_ids()
@@ -47,7 +62,7 @@ def fold_constants(graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES) -> Graph:
         args = map_refs(node.args, lambda r: known[r.id])
         kwargs = map_refs(node.kwargs, lambda r: known[r.id])
         try:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():
                 result = node.op.target(*args, **kwargs)
         except Exception:  # leave it to fail (or not) at run time, with the usual error
             kept.append(node)
