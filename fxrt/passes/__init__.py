@@ -8,7 +8,7 @@ wall time and whether it changed the graph (compared by the graph's canonical te
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..ir import Graph, graph_to_text, verify
