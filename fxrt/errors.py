@@ -9,7 +9,33 @@ import torch
 
 class ExecutionError(RuntimeError):
     """An op failed while a compiled graph ran. The message names the FX node, the op, the input
-    shapes and dtypes and the user's source line; the original exception is chained."""
+    shapes and dtypes and the user's source line; the original exception is chained.
+
+    The exception raised is also of the original exception's type (an ``IndexError`` from an
+    embedding lookup is caught by ``except IndexError`` as in eager, and by
+    ``except fxrt.ExecutionError``): its class derives from both."""
+
+
+_combined: dict[type, type] = {}
+
+
+def _with_original_type(exc_type: type[BaseException]) -> type[ExecutionError] | None:
+    """``ExecutionError`` joined with ``exc_type`` (cached), or None where Python cannot join
+    them (a built-in type with another instance layout, a non-Exception)."""
+    if issubclass(exc_type, ExecutionError) or not issubclass(exc_type, Exception):
+        return None
+    if exc_type is RuntimeError:
+        return ExecutionError
+    if exc_type not in _combined:
+        try:
+            _combined[exc_type] = type(
+                exc_type.__name__,
+                (ExecutionError, exc_type),
+                {"__module__": exc_type.__module__, "__doc__": ExecutionError.__doc__},
+            )
+        except TypeError:
+            _combined[exc_type] = None  # type: ignore[assignment]
+    return _combined[exc_type]
 
 
 def describe_value(x: Any) -> str:
@@ -27,8 +53,10 @@ def describe_value(x: Any) -> str:
 
 def node_error(
     node_name: str, op_name: str, stack_trace: str | None, inputs: list[Any], exc: BaseException
-) -> ExecutionError:
-    """Build the ExecutionError for a failed node; the caller raises it ``from exc``."""
+) -> BaseException:
+    """Build the exception for a failed node; the caller raises it ``from exc``: an
+    ExecutionError of the original type, or where Python cannot make one, ``exc`` itself with
+    the message as a note."""
     lines = [
         f"node '{node_name}' ({op_name}) failed: {type(exc).__name__}: {exc}".rstrip(),
         "  inputs: " + (", ".join(describe_value(x) for x in inputs) or "none"),
@@ -36,4 +64,14 @@ def node_error(
     if stack_trace:
         lines.append("  from user code:")
         lines += ["    " + ln for ln in stack_trace.strip().splitlines()[-4:]]
-    return ExecutionError("\n".join(lines))
+    message = "\n".join(lines)
+    cls = _with_original_type(type(exc))
+    if cls is not None:
+        try:
+            return cls(message)
+        except TypeError:  # a constructor that wants other arguments
+            pass
+    if isinstance(exc, Exception) and not isinstance(exc, ExecutionError):
+        exc.add_note(message)  # keep the type the caller catches; the note names the node
+        return exc
+    return ExecutionError(message)

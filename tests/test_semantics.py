@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 from conftest import skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -117,3 +119,24 @@ def test_cse_does_not_merge_reads_across_a_write_to_an_aliasing_input(executor):
     got = cg(base[:], base[:])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(base, eager_base)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exceptions keep eager's type
+
+
+def test_op_errors_keep_their_type_and_name_the_node(executor):
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    emb = torch.nn.Embedding(10, 4)
+    f = torch.compile(emb, backend="fxrt", options={"pure_python": executor == "python"})
+    with torch.no_grad():
+        f(torch.tensor([1, 2]))
+        with pytest.raises(IndexError) as info:
+            f(torch.tensor([1, 12]))
+        with pytest.raises(fxrt.ExecutionError, match="node 'embedding'"):
+            f(torch.tensor([1, 12]))
+    with pytest.raises(IndexError):
+        emb(torch.tensor([1, 12]))  # eager raises the same type
+    assert "index out of range" in str(info.value)
+    assert isinstance(info.value.__cause__, IndexError)
