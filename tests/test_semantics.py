@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 import torch
 from conftest import skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
