@@ -24,6 +24,7 @@ _PUBLIC = {
     "get_compiler": ".compiler",
     "CompilerConfig": ".config",
     "ExecutionError": ".errors",
+    "InputError": ".exec.inputs",
     "get_fused_kernel_payload": ".inductor",
     "register_fused_kernel": ".inductor",
     "register_fx_wrapper": ".inductor",
@@ -40,6 +41,7 @@ __all__ = [
     "CompiledGraph",
     "CompilerConfig",
     "ExecutionError",
+    "InputError",
     "Profile",
     "backend",
     "compile_graph",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
     from .compiler import CompiledGraph, compile_graph, get_compiler
     from .config import CompilerConfig
     from .errors import ExecutionError
+    from .exec.inputs import InputError
     from .inductor import (
         get_fused_kernel_payload,
         register_fused_kernel,

@@ -39,7 +39,17 @@ from .cachestore import SUFFIX, Store, cache_dir, default_dir  # noqa: F401 (re-
 
 stats: Counter[str] = Counter()  # "hit", "miss", "stored", "rejected", "uncached", "compiled"
 log = logging.getLogger("fxrt")
-_NOT_KEYED = ("dump_dir", "cache", "cache_dir", "cache_max_bytes")  # where things go, not what
+# Where things go, or how the loaded program runs (a hit is lowered under the caller's config):
+# not what is compiled.
+_NOT_KEYED = (
+    "dump_dir",
+    "cache",
+    "cache_dir",
+    "cache_max_bytes",
+    "pure_python",
+    "check_inputs",
+    "arena_max_idle",
+)
 _TRUSTED_MODULES = ("torch", "operator", "_operator", "math", "builtins", "functools", "fxrt")
 
 

@@ -60,17 +60,18 @@ class CompiledGraph:
         self.plan = plan
         self.program = program
         self.config = config
+        idle = config.arena_max_idle
         if config.pure_python or not native_available():
-            self._loop: PythonLoop | NativeLoop = PythonLoop(program)
+            self._loop: PythonLoop | NativeLoop = PythonLoop(program, arena_max_idle=idle)
         else:
-            self._loop = NativeLoop(program)
+            self._loop = NativeLoop(program, arena_max_idle=idle)
         self.executor: str = self._loop.name
         self.pass_records: list[PassRecord] = []
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
 
     def __call__(self, *args: Any) -> Any:
         inputs = args[0] if len(args) == 1 and type(args[0]) is list else args
-        if _profiling or torch.autograd.profiler._is_profiler_enabled:
+        if (_profiling and profiler.active()) or torch.autograd.profiler._is_profiler_enabled:
             return self._run_instrumented(inputs)
         return self._loop(inputs)
 
@@ -78,8 +79,11 @@ class CompiledGraph:
         """One call through the loop's timed variant, recorded in the active fxrt.profile()."""
         torch_ranges = torch.autograd.profiler._is_profiler_enabled
         names = tuple(n.name for n in self.program.nodes) if torch_ranges else None
+        loop = self._loop
+        if isinstance(loop, NativeLoop) and loop.torch_function_active(inputs):
+            loop = loop.python_loop()  # as an unprofiled call would: __torch_function__ sees ops
         t0 = time.perf_counter_ns()
-        out, timings = self._loop.run_timed(inputs, names)
+        out, timings = loop.run_timed(inputs, names)
         t1 = time.perf_counter_ns()
         prof = profiler.active()
         if prof is not None:
@@ -90,6 +94,11 @@ class CompiledGraph:
                 for i, a, b in timings
             )
         return out
+
+    def release_memory(self) -> None:
+        """Free the arenas this graph keeps between calls (see ``arena_max_idle``); the next
+        call allocates one again."""
+        self._loop.release_memory()
 
     def dump_artifacts(self) -> bytes:
         """A self-contained, data-only artifact: the IR, the constants the graph owns, the pass
@@ -374,13 +383,16 @@ def _compile(
 
 def _lower(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
     """The Program, with an arena when the config asks for one and anything fits in it."""
+    check = config.check_inputs
     if not config.arena:
-        return lower(graph, plan)
+        return lower(graph, plan, check_inputs=check)
     views = inline_views(graph)
     arena = plan_arena(graph, plan, views)
     if arena is not None and config.verify:
         verify_arena(graph, plan, arena)
-    return lower(graph, plan, arena, views if arena is not None else frozenset())
+    return lower(
+        graph, plan, arena, views if arena is not None else frozenset(), check_inputs=check
+    )
 
 
 def get_compiler(

@@ -64,9 +64,17 @@ class CompilerConfig:
         arena: write intermediates into a preallocated arena, reused from call to call, through
             their ops' ``out=`` overloads (see :mod:`fxrt.exec.arena`). Default from
             ``FXRT_ARENA`` (on).
+        arena_max_idle: how many arenas a compiled graph keeps between calls, per inference
+            mode (each concurrent call needs its own; more are freed when their calls return).
+            Default from ``FXRT_ARENA_MAX_IDLE`` (2). ``CompiledGraph.release_memory()`` frees
+            them all.
         native_kernels: use fxrt's own CPU ops where ATen's kernel choice costs more host time
             than the math (``aten::gelu`` on small float32 tensors; see
             :mod:`fxrt.ops.native_kernels`). Default from ``FXRT_NATIVE_KERNELS`` (on).
+        check_inputs: check every call's inputs against what the graph was compiled for (dtype,
+            device, rank, static sizes and strides, size symbols bound consistently) and raise
+            ``fxrt.InputError`` naming the input otherwise. Default from ``FXRT_CHECK_INPUTS``
+            (on); off for callers that guarantee their inputs.
         cache: use the on-disk compile cache. Default from ``FXRT_CACHE`` (on).
         cache_dir: where the cache lives. Default from ``FXRT_CACHE_DIR``, else
             ``$XDG_CACHE_HOME/fxrt`` or ``~/.cache/fxrt``. A directory that cannot be created
@@ -87,7 +95,9 @@ class CompilerConfig:
     post_grad_custom_post_pass: Callable[..., Any] | None = None
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
     arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
+    arena_max_idle: int = field(default_factory=lambda: env_int("FXRT_ARENA_MAX_IDLE", 2))
     native_kernels: bool = field(default_factory=lambda: env_flag("FXRT_NATIVE_KERNELS", True))
+    check_inputs: bool = field(default_factory=lambda: env_flag("FXRT_CHECK_INPUTS", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     cache_max_bytes: int = field(default_factory=lambda: env_int("FXRT_CACHE_MAX_BYTES", 1 << 30))

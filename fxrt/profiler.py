@@ -1,7 +1,7 @@
 """Per-node profiling of fxrt-compiled graphs.
 
-``with fxrt.profile() as prof:`` makes every call of a compiled graph inside the block run its
-loop's instrumented variant (the Python loop's ``run_observed``, the compiled loop's timed loop),
+``with fxrt.profile() as prof:`` makes every call of a compiled graph the same thread makes inside
+the block run its loop's instrumented variant (the Python loop's ``run_observed``, the compiled loop's timed loop),
 which times each node; the plain loops pay nothing, the choice is made once per call. When
 ``torch.profiler`` is active, nodes also appear as ``record_function`` ranges in its trace.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -109,16 +110,23 @@ class Profile:
             json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
 
 
-_active: list[Profile] = []
+# Open profile blocks, innermost last, with the thread that opened each: a block records the
+# calls its own thread makes (other threads' calls run uninstrumented and unrecorded).
+_active: list[tuple[int, Profile]] = []
 
 
 def active() -> Profile | None:
-    return _active[-1] if _active else None
+    """The innermost profile block the current thread opened, or None."""
+    tid = threading.get_ident()
+    for owner, prof in reversed(_active):
+        if owner == tid:
+            return prof
+    return None
 
 
 @contextlib.contextmanager
 def profile() -> Iterator[Profile]:
-    """Profile fxrt-compiled graphs called inside the block.
+    """Profile fxrt-compiled graphs called inside the block, by the thread that opened it.
 
     Example::
 
@@ -128,8 +136,9 @@ def profile() -> Iterator[Profile]:
         prof.export_chrome_trace("trace.json")
     """
     prof = Profile()
-    _active.append(prof)
+    entry = (threading.get_ident(), prof)
+    _active.append(entry)
     try:
         yield prof
     finally:
-        _active.remove(prof)
+        _active.remove(entry)

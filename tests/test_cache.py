@@ -147,8 +147,8 @@ def test_weights_stay_live_on_a_hit(tmp_path, executor):
     x = torch.randn(2, 8)
     with torch.no_grad():
         gm = make_fx(lin)(x)
-        fxrt.compile_graph(gm, [x], config(tmp_path, executor, opt_level=1))  # the miss
-        cg = fxrt.compile_graph(gm, [x], config(tmp_path, executor, opt_level=1))  # the hit
+        fxrt.compile_graph(gm, [x], config(tmp_path, executor))  # the miss
+        cg = fxrt.compile_graph(gm, [x], config(tmp_path, executor))  # the hit
         assert cache.stats["hit"] >= 1
         lin.weight.mul_(2)
         lin.bias.add_(1)
@@ -180,7 +180,7 @@ def test_folded_constants_are_stored_once(tmp_path):
         x = torch.randn(batch, 16)
         with torch.no_grad():
             gm = make_fx(lambda x: x @ lin.weight.t().clone())(x)
-            cg = fxrt.compile_graph(gm, [x], config(tmp_path))
+            cg = fxrt.compile_graph(gm, [x], config(tmp_path, freeze=True))
             torch.testing.assert_close(cg(x), x @ lin.weight.t())
     store = Store(tmp_path)
     assert len(store.entry_files()) == 2
@@ -322,7 +322,7 @@ def test_damaged_entry_warns_is_removed_and_recompiles(tmp_path, damage):
         c = torch.tensor([1.0, 2.0])
         gm = make_fx(lambda x: x + c * 2)(torch.randn(2))  # c * 2 is folded, and stored
         x = torch.randn(2)
-        cfg = config(tmp_path / "b")
+        cfg = config(tmp_path / "b", freeze=True)
         fxrt.compile_graph(gm, [x], cfg)
         (blob,) = Store(tmp_path / "b").blob_files()
         blob.write_bytes(torch.tensor([1.0, 99.0]).numpy().tobytes())  # tampered constant
@@ -438,8 +438,7 @@ WEIGHTS = """
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)
     with torch.no_grad():
-        # opt_level=1: constant folding, on by default, freezes weights even on a miss
-        cg = fxrt.compile_graph(make_fx(lin)(x), [x], fxrt.CompilerConfig(opt_level=1))
+        cg = fxrt.compile_graph(make_fx(lin)(x), [x])
         lin.weight.mul_(-1)
         torch.testing.assert_close(cg(x), lin(x))
     print(json.dumps(dict(fxrt.cache.stats)))

@@ -52,7 +52,10 @@ cdef extern from "loop.h":
         cbool set_arena_slot(
             int64_t slot, object out_name, object out_overload, object out_args, object out_kwargs
         ) except +set_python_error
-        void set_arena(object factory, object guards, cbool constants_need_grad) except +set_python_error
+        void set_arena(object factory, object guards, cbool constants_need_grad, int64_t max_idle) except +set_python_error
+        void release_arenas()
+        size_t idle_arenas()
+        void set_input_specs(object specs, object on_mismatch) except +set_python_error
         cbool set_inline_view() except +set_python_error
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
@@ -121,11 +124,26 @@ cdef class Executor:
         autograd); False if it cannot be."""
         return self._impl().set_inline_view()
 
-    def set_arena(self, factory, list guards, cbool constants_need_grad):
+    def set_arena(self, factory, list guards, cbool constants_need_grad, int64_t max_idle=2):
         """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); ``guards``
         lists ``(input position, meta tensor)`` pairs the inputs must match in size and dtype;
-        with ``constants_need_grad``, calls in grad mode run without the arena."""
-        self._impl().set_arena(factory, guards, constants_need_grad)
+        with ``constants_need_grad``, calls in grad mode run without the arena; at most
+        ``max_idle`` arenas per inference mode are kept between calls."""
+        self._impl().set_arena(factory, guards, constants_need_grad, max_idle)
+
+    def release_arenas(self):
+        """Free the arenas kept between calls."""
+        self._impl().release_arenas()
+
+    def idle_arenas(self):
+        """How many arenas are kept between calls now."""
+        return self._impl().idle_arenas()
+
+    def set_input_specs(self, list specs, on_mismatch):
+        """Check every call's inputs: ``specs`` are ``(position, meta tensor of the dtype,
+        device, sizes, strides)`` (fxrt.exec.inputs); ``on_mismatch(inputs)`` returns the
+        exception a mismatch raises."""
+        self._impl().set_input_specs(specs, on_mismatch)
 
     def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
         """Add a call of a Python callable."""

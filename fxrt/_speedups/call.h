@@ -427,7 +427,8 @@ inline void run_call(
   if (call.reinterpret_sizes.has_value() && run_reinterpret(call, regs)) {
     return;
   }
-  if (call.empty_strided.has_value() && !c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+  if (call.empty_strided.has_value() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+      !fills_uninitialized_memory()) {
     const CallOp::EmptyStrided& e = *call.empty_strided;
     regs[static_cast<size_t>(call.outputs[0])] = at::Tensor(at::detail::empty_strided_cpu(
         e.sizes, e.strides, e.dtype, e.layout, e.device, e.pin_memory));

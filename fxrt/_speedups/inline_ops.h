@@ -8,6 +8,7 @@
 
 #include "call_op.h"
 
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
@@ -122,6 +123,13 @@ inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
   regs[static_cast<size_t>(call.outputs[0])] = raw_alias(
       self, *call.reinterpret_sizes, *call.reinterpret_strides, offset);
   return true;
+}
+
+// torch.use_deterministic_algorithms(True) with fill_uninitialized_memory: new tensors are
+// filled (NaN), which only the dispatcher's empty_strided does and no reused arena slot is.
+inline bool fills_uninitialized_memory() {
+  return at::globalContext().deterministicAlgorithms() &&
+      at::globalContext().deterministicFillUninitializedMemory();
 }
 
 // aten::empty_strided's CPU kernel is at::detail::empty_strided_cpu; a call with constant

@@ -30,6 +30,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <chrono>
@@ -71,6 +72,16 @@ struct InputGuard {
   at::ScalarType dtype;
 };
 
+// What each call checks about one tensor input (fxrt/exec/inputs.py, InputSpec): sizes and strides
+// >= 0 must match exactly, -1 is not checked, -2 - k is size symbol k (one value per call).
+struct InputSpec {
+  size_t reg;
+  at::ScalarType dtype;
+  c10::Device device;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
 // Arenas not in use, one pool per inference mode: an arena made in inference mode holds
 // inference tensors, which normal mode may not write.
 class ArenaPool {
@@ -85,13 +96,29 @@ class ArenaPool {
     pool.pop_back();
     return arena;
   }
+  // Keeps at most `max_idle` arenas per pool; one more is freed (on return, outside the lock).
   void give_back(std::unique_ptr<Arena> arena, bool inference) {
     std::lock_guard<std::mutex> lock(mu_);
-    pools_[inference].push_back(std::move(arena));
+    if (pools_[inference].size() < max_idle_) {
+      pools_[inference].push_back(std::move(arena));
+    }
+  }
+  void set_max_idle(size_t n) { max_idle_ = n; }
+  size_t idle() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pools_[0].size() + pools_[1].size();
+  }
+  // Frees every idle arena (CompiledGraph.release_memory()).
+  void clear() {
+    std::vector<std::unique_ptr<Arena>> dropped[2];
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped[0].swap(pools_[0]);
+    dropped[1].swap(pools_[1]);
   }
 
  private:
   std::mutex mu_;
+  size_t max_idle_ = 2;
   std::vector<std::unique_ptr<Arena>> pools_[2];
 };
 
@@ -210,9 +237,11 @@ class Executor {
   }
 
   // The arena: `factory()` makes one (a list of tensors, one per slot); `guards` are (input
-  // position, meta tensor with the compiled size and dtype) pairs.
-  void set_arena(PyObject* factory, PyObject* guards, bool constants_need_grad) {
+  // position, meta tensor with the compiled size and dtype) pairs; at most `max_idle` arenas per
+  // inference mode are kept between calls.
+  void set_arena(PyObject* factory, PyObject* guards, bool constants_need_grad, int64_t max_idle) {
     arena_factory_ = py::reinterpret_borrow<py::object>(factory);
+    pool_.set_max_idle(static_cast<size_t>(std::max<int64_t>(max_idle, 0)));
     for (py::handle item : py::reinterpret_borrow<py::list>(guards)) {
       auto pair = item.cast<py::tuple>();
       size_t pos = pair[0].cast<size_t>();
@@ -222,6 +251,31 @@ class Executor {
     }
     constants_need_grad_ = constants_need_grad;
   }
+
+  // The per-call input check: `specs` are (input position, meta tensor of the dtype, device
+  // string, sizes, strides) tuples; `on_mismatch(inputs)` returns the exception to raise.
+  void set_input_specs(PyObject* specs, PyObject* on_mismatch) {
+    on_mismatch_ = py::reinterpret_borrow<py::object>(on_mismatch);
+    int64_t n_symbols = 0;
+    for (py::handle item : py::reinterpret_borrow<py::list>(specs)) {
+      auto t = item.cast<py::tuple>();
+      InputSpec spec{
+          static_cast<size_t>(inputs_.at(t[0].cast<size_t>())),
+          THPVariable_Unpack(t[1].ptr()).scalar_type(),
+          c10::Device(t[2].cast<std::string>()),
+          t[3].cast<std::vector<int64_t>>(),
+          t[4].cast<std::vector<int64_t>>()};
+      for (int64_t s : spec.sizes) {
+        n_symbols = std::max(n_symbols, -1 - s);
+      }
+      input_specs_.push_back(std::move(spec));
+    }
+    n_symbols_ = static_cast<size_t>(n_symbols);
+  }
+
+  // Free the idle arenas; calls still running keep theirs until they return.
+  void release_arenas() { pool_.clear(); }
+  size_t idle_arenas() const { return pool_.idle(); }
 
   // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
   void set_names(const std::vector<std::string>& names) { names_ = names; }
@@ -273,6 +327,11 @@ class Executor {
     for (Py_ssize_t i = 0; i < n; ++i) {
       regs[static_cast<size_t>(inputs_[i])] = from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
     }
+    if (!input_specs_.empty() && !inputs_match(regs)) {
+      py::object exc = on_mismatch_(seq);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      throw_python_error();
+    }
     bool inference = c10::InferenceMode::is_enabled();
     std::unique_ptr<Arena> arena = take_arena(regs, inference);
     Stack stack;
@@ -316,10 +375,48 @@ class Executor {
     return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
   }
 
+  // The inputs against their specs (see InputSpec); the Python side words the error.
+  bool inputs_match(const Registers& regs) const {
+    c10::SmallVector<int64_t, 8> bound(n_symbols_, -1);
+    for (const InputSpec& spec : input_specs_) {
+      const IValue& v = regs[spec.reg];
+      if (!v.isTensor()) {
+        return false;
+      }
+      const at::Tensor& t = v.toTensor();
+      if (t.scalar_type() != spec.dtype || t.device() != spec.device ||
+          t.dim() != static_cast<int64_t>(spec.sizes.size())) {
+        return false;
+      }
+      c10::IntArrayRef sizes = t.sizes();
+      c10::IntArrayRef strides = t.strides();
+      for (size_t d = 0; d < spec.sizes.size(); ++d) {
+        int64_t want = spec.sizes[d];
+        if (want >= 0) {
+          if (sizes[d] != want) {
+            return false;
+          }
+        } else if (want != -1) {
+          int64_t& b = bound[static_cast<size_t>(-2 - want)];
+          if (b < 0) {
+            b = sizes[d];
+          } else if (b != sizes[d]) {
+            return false;
+          }
+        }
+        if (spec.strides[d] >= 0 && strides[d] != spec.strides[d]) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
   std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference) const {
-    if (arena_factory_.is_none() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
-      return nullptr;  // a dispatch mode must see the graph's own ops
+    if (arena_factory_.is_none() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+        fills_uninitialized_memory()) {
+      return nullptr;  // a dispatch mode must see the graph's own ops; new memory is filled
     }
     if (c10::GradMode::is_enabled()) {
       if (constants_need_grad_) {
@@ -416,6 +513,9 @@ class Executor {
   std::vector<std::string> names_;
   size_t max_stack_ = 0;
   py::object arena_factory_ = py::none();
+  std::vector<InputSpec> input_specs_;
+  size_t n_symbols_ = 0;
+  py::object on_mismatch_ = py::none();
   std::vector<InputGuard> guards_;
   bool constants_need_grad_ = false;
   mutable ArenaPool pool_;

@@ -16,9 +16,19 @@ import torch
 
 from ..errors import node_error
 from ..ir.graph import Ref, map_refs, refs_in
+from .inputs import check_inputs
 from .program import Call, Free, Program
 
 _CALL, _FREE, _ARENA = 0, 1, 2
+
+
+def fills_uninitialized_memory() -> bool:
+    """``torch.use_deterministic_algorithms(True)`` with ``fill_uninitialized_memory``: new
+    tensors are filled (NaN), which a reused arena slot is not, so no arena is used."""
+    return (
+        torch.are_deterministic_algorithms_enabled()
+        and torch.utils.deterministic.fill_uninitialized_memory
+    )
 
 
 def _arg_loader(args: tuple, kwargs: dict) -> tuple:
@@ -89,14 +99,16 @@ class PythonLoop:
 
     name = "python"
 
-    def __init__(self, program: Program, *, arena: bool = True):
+    def __init__(self, program: Program, *, arena: bool = True, arena_max_idle: int = 2):
         self.program = program
+        self.arena_max_idle = arena_max_idle
         template: list[Any] = [None] * program.n_regs
         for reg, obj in program.constants:
             template[reg] = obj
         self.template = template
         self.inputs = program.inputs
         self.n_inputs = len(program.inputs)
+        self.input_specs = program.input_specs
         code: list[tuple] = []
         for ins in program.code:
             if isinstance(ins, Free):
@@ -131,6 +143,8 @@ class PythonLoop:
     def _registers(self, inputs: list[Any] | tuple[Any, ...]) -> list[Any]:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled graph takes {self.n_inputs} inputs, got {len(inputs)}")
+        if self.input_specs:
+            check_inputs(self.input_specs, inputs)
         regs = self.template.copy()
         for r, x in zip(self.inputs, inputs):
             regs[r] = x
@@ -158,6 +172,7 @@ class PythonLoop:
             torch._C._is_torch_function_mode_enabled()
             or torch._C._has_torch_function(inputs)
             or torch._C._len_torch_dispatch_stack()
+            or fills_uninitialized_memory()
         ):
             return None
         if torch.is_grad_enabled() and (
@@ -177,7 +192,19 @@ class PythonLoop:
 
     def give_back(self, tensors: list[Any] | None) -> None:
         if tensors is not None:  # the call ran in the inference mode it started in
-            self._pools[torch.is_inference_mode_enabled()].append(tensors)
+            pool = self._pools[torch.is_inference_mode_enabled()]
+            if len(pool) < self.arena_max_idle:  # more are freed: threads come and go
+                pool.append(tensors)
+
+    def idle_arenas(self) -> int:
+        """How many arenas are kept between calls now."""
+        return sum(map(len, self._pools)) if self.arena is not None else 0
+
+    def release_memory(self) -> None:
+        """Free the arenas kept between calls (calls running now keep theirs until they return)."""
+        if self.arena is not None:
+            for pool in self._pools:
+                pool.clear()
 
     def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
         regs = self._registers(inputs)

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import node_error
 from ..ir.graph import Ref, map_refs
+from .inputs import InputError, InputSpec, check_inputs
 from .interp import PythonLoop, input_refs_of
 from .program import Call, Free, Program
 
@@ -134,7 +135,9 @@ class NativeLoop(_Executor):
 
     name = "cpp"
 
-    def __init__(self, program: Program, *, release_gil: bool = RELEASE_GIL):
+    def __init__(
+        self, program: Program, *, release_gil: bool = RELEASE_GIL, arena_max_idle: int = 2
+    ):
         status = extension_status()
         if not status.usable:
             raise RuntimeError(f"fxrt: compiled loop unavailable: {status.reason}")
@@ -164,7 +167,23 @@ class NativeLoop(_Executor):
             need_grad = any(
                 isinstance(c, torch.Tensor) and c.requires_grad for _, c in program.constants
             )
-            self.set_arena(program.arena.allocate, guards, need_grad)
+            self.set_arena(program.arena.allocate, guards, need_grad, arena_max_idle)
+        self.arena_max_idle = arena_max_idle
+        if program.input_specs:
+            specs = program.input_specs
+            self.set_input_specs(
+                [
+                    (
+                        spec.pos,
+                        torch.empty(0, dtype=spec.meta.dtype, device="meta"),
+                        spec.meta.device,
+                        list(spec.sizes),
+                        list(spec.strides),
+                    )
+                    for spec in specs
+                ],
+                lambda inputs: _input_error(specs, inputs),
+            )
         self.set_names(
             [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
         )
@@ -195,6 +214,12 @@ class NativeLoop(_Executor):
             )
         return added
 
+    def release_memory(self) -> None:
+        """Free the arenas kept between calls (calls running now keep theirs until they return)."""
+        self.release_arenas()
+        if self._python_loop is not None:
+            self._python_loop.release_memory()
+
     @property
     def fallbacks(self) -> tuple[str, ...]:
         """Names of the nodes this loop runs through Python (the Program's fallbacks, and ATen
@@ -217,9 +242,27 @@ class NativeLoop(_Executor):
     def _run_with_torch_function(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
         # The Python loop calls ops through torch.ops, which honours __torch_function__ (a mode,
         # a tensor subclass input); the compiled loop calls them below that layer.
+        return self.python_loop()(inputs)
+
+    def python_loop(self) -> PythonLoop:
+        """The Python loop over the same program, for calls ``__torch_function__`` must see."""
         if self._python_loop is None:
-            self._python_loop = PythonLoop(self.program)
-        return self._python_loop(inputs)
+            self._python_loop = PythonLoop(self.program, arena_max_idle=self.arena_max_idle)
+        return self._python_loop
+
+    @staticmethod
+    def torch_function_active(inputs: list[Any] | tuple[Any, ...]) -> bool:
+        """A TorchFunctionMode is active or an input overrides ``__torch_function__``."""
+        return torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs)
+
+
+def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
+    """The error the Python loop raises for inputs the compiled loop found mismatched."""
+    try:
+        check_inputs(specs, inputs)
+    except InputError as e:
+        return e
+    return InputError("inputs do not match the compiled graph")  # not reached: same checks
 
 
 def _execution_error(

@@ -23,6 +23,7 @@ from typing import Any, Union
 from ..ir.graph import Graph, Op, OpKind, Ref, refs_in
 from ..ir.printer import format_arg, format_call
 from .arena import ArenaPlan, arena_call
+from .inputs import InputSpec, input_specs
 from .plan import Plan
 
 
@@ -82,6 +83,7 @@ class Program:
     reg_names: tuple[str, ...]
     peak_bytes: int
     arena: ArenaPlan | None = None
+    input_specs: tuple[InputSpec, ...] = ()  # what each call checks (fxrt.exec.inputs)
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -97,6 +99,8 @@ def lower(
     plan: Plan,
     arena: ArenaPlan | None = None,
     views: frozenset[int] = frozenset(),
+    *,
+    check_inputs: bool = True,
 ) -> Program:
     """Emit the instruction tuple for ``graph``, with the FREEs ``plan`` places, the arena
     slots ``arena`` assigns and the inline ``views`` (node indices) marked."""
@@ -124,6 +128,7 @@ def lower(
         reg_names=tuple(v.name for v in graph.values),
         peak_bytes=plan.peak_bytes,
         arena=arena,
+        input_specs=input_specs(graph) if check_inputs else (),
     )
 
 

@@ -3,7 +3,8 @@
 For an ATen op the answer comes from its schema's alias annotations: an output annotated
 ``Tensor(a)`` (a view) or ``Tensor(a!)`` (an in-place result) aliases every argument annotated
 with the same set ``a``; a ``Tensor(a)[]`` return aliases it element by element. For a Python
-fallback nothing is known, so every output is assumed to alias every tensor-like input.
+fallback (higher-order ops included) nothing is known, so every output is assumed to alias every
+tensor-like input.
 """
 
 from __future__ import annotations
@@ -78,10 +79,8 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         if len(returns) == 1:
             return [aliased_by(returns[0])] * len(node.outputs)
         return [aliased_by(r) for r in returns][: len(node.outputs)]
-    if isinstance(node.op.target, torch._ops.HigherOrderOperator):
-        # AOTAutograd functionalizes higher-order ops and rejects subgraphs whose outputs alias
-        # their inputs, so their results are fresh storages.
-        return [[] for _ in node.outputs]
+    # A higher-order op (torch.cond, ...) is a Python fallback like any other here: on the
+    # inference path nothing functionalizes it, and a branch may return a view of its operand.
     if all(
         graph.values[v].kind in (ValueKind.NONE, ValueKind.SYM, ValueKind.SCALAR)
         for v in node.outputs
