@@ -1,9 +1,11 @@
 """Per-node profiling of fxrt-compiled graphs.
 
-``with fxrt.profile() as prof:`` makes every call of a compiled graph the same thread makes inside
-the block run its loop's instrumented variant (the Python loop's ``run_observed``, the compiled loop's timed loop),
-which times each node; the plain loops pay nothing, the choice is made once per call. When
-``torch.profiler`` is active, nodes also appear as ``record_function`` ranges in its trace.
+``with fxrt.profile() as prof:`` makes every call of a compiled graph that the same thread makes
+inside the block run its loop's instrumented variant (the Python loop's ``run_observed``, the
+compiled loop's timed loop), which times each node; the plain loops pay nothing, the choice is
+made once per call. Calls that ``__torch_function__`` must see run on the Python loop, as they do
+unprofiled. When ``torch.profiler`` is active, nodes also appear as ``record_function`` ranges
+in its trace.
 
 ``prof.table()`` aggregates per op (or per node), ``prof.export_chrome_trace(path)`` writes a trace
 that chrome://tracing and Perfetto open: one complete event per node call, plus one per graph call.
