@@ -46,10 +46,13 @@ def _compiled(model: torch.nn.Module, backend: str, **kw: Any) -> Callable:
     return torch.compile(model, backend=backend, **kw)
 
 
-def _direct(model: torch.nn.Module, inputs: tuple, pure_python: bool) -> Callable | None:
+def _direct(
+    model: torch.nn.Module, inputs: tuple, pure_python: bool, **options: Any
+) -> Callable | None:
     gm = make_fx(model)(*inputs)  # parameters become constants of the graph
     # Frozen, as Static Runtime's module is (torch.jit.freeze): weights may be folded.
-    cg = compile_graph(gm, inputs, CompilerConfig(pure_python=pure_python, freeze=True))
+    config = CompilerConfig(pure_python=pure_python, freeze=True, **options)
+    cg = compile_graph(gm, inputs, config)
     if cg.executor != ("python" if pure_python else "cpp"):
         return None
     return cg
@@ -67,7 +70,9 @@ def competitors(model: torch.nn.Module, inputs: tuple) -> dict[str, Callable | N
         "inductor": _compiled(model, "inductor"),
         "fxrt": _compiled(model, "fxrt"),
         "fxrt[py]": _compiled(model, "fxrt", options={"pure_python": True}),
+        "fxrt[aten]": _compiled(model, "fxrt", options={"native_kernels": False}),
         "loop[cpp]": _direct(model, inputs, pure_python=False),
+        "loop[cpp] unchecked": _direct(model, inputs, pure_python=False, check_inputs=False),
         "loop[py]": _direct(model, inputs, pure_python=True),
         "static_runtime": _static_runtime(model, inputs),
     }
@@ -101,6 +106,21 @@ def measure(
                 fn(*inputs)
             samples[name].append((clock() - t0) / n * 1e6)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def input_check_cost(rounds: int, clock: Callable[[], float], n: int = 16) -> float:
+    """µs per tensor input that the compiled loop's input check costs: a graph of ``n`` inputs
+    whose only op reads the first, called with checks on and off, interleaved."""
+    inputs = tuple(torch.randn(4, 4) for _ in range(n))
+    gm = make_fx(lambda *xs: xs[0].neg())(*inputs)
+    fns = {
+        check: compile_graph(gm, inputs, CompilerConfig(check_inputs=check, cache=False))
+        for check in (True, False)
+    }
+    if any(cg.executor != "cpp" for cg in fns.values()):
+        return float("nan")
+    t = measure({str(k): v for k, v in fns.items()}, inputs, rounds, clock=clock)
+    return (t["True"] - t["False"]) / n
 
 
 def check_outputs(fns: dict[str, Callable], inputs: tuple) -> None:
@@ -147,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     print(file=sys.stderr)
 
     table = markdown(results)
+    with torch.inference_mode():
+        per_input = input_check_cost(args.rounds, clock)
+    table += f"\nThe compiled loop's input check: {per_input:.3f} µs per tensor input.\n"
     print(table)
     for path in (args.md, args.json):
         if path and os.path.dirname(path):
@@ -196,6 +219,19 @@ def markdown(results: dict[str, dict[str, float]]) -> str:
             f"{w.split()[0]} {r['loop[cpp]'] / r['static_runtime']:.2f}x"
             for w, r in results.items()
             if "loop[cpp]" in r and "static_runtime" in r
+        )
+        + ". fxrt[aten] is fxrt without its own CPU ops (native_kernels=False): fxrt vs "
+        + "fxrt[aten] "
+        + ", ".join(
+            f"{w.split()[0]} {r['fxrt'] / r['fxrt[aten]']:.2f}x"
+            for w, r in results.items()
+            if "fxrt[aten]" in r
+        )
+        + ". Input check per call (loop[cpp] minus loop[cpp] unchecked): "
+        + ", ".join(
+            f"{w.split()[0]} {r['loop[cpp]'] - r['loop[cpp] unchecked']:+.2f} µs"
+            for w, r in results.items()
+            if "loop[cpp] unchecked" in r
         )
     )
     return "\n".join(lines)
