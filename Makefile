@@ -13,7 +13,7 @@ EXT_SOURCES := $(wildcard fxrt/_speedups/*.pyx fxrt/_speedups/*.h fxrt/_speedups
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install "setuptools>=64" wheel "cython>=3.0" pytest hypothesis expecttest ruff numpy matplotlib
+	$(PIP) install "setuptools>=64" wheel "cython>=3.0" pytest hypothesis expecttest ruff numpy matplotlib transformers==5.24.0
 	touch $@
 
 $(VENV)/.fxrt: $(VENV)/.deps setup.py pyproject.toml $(EXT_SOURCES)

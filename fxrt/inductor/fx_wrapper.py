@@ -122,6 +122,12 @@ class RuntimeAssertLine(WrapperLine):
         return converter._generate_runtime_assert
 
 
+def _comment(line: Any) -> bool:
+    """A plain source line that is a comment or blank (``# buffer buf9 (op: ...) is assumed to
+    be not aligned``): it runs nothing, and the upstream converter rejects it."""
+    return isinstance(line, str) and (not line.strip() or line.lstrip().startswith("#"))
+
+
 class HostGraphConverter(FxConverter):
     """``FxConverter`` that keeps non-Triton kernel calls in the host graph (see the module
     docstring) instead of rejecting them."""
@@ -291,7 +297,7 @@ class FxrtWrapperCodegen(WrapperFxCodegen):
         self.run_wrapper_ir_passes(is_inference)
         prologue = "\n".join([self.imports.getvalue(), self.header.getvalue()])
         gm = HostGraphConverter(
-            lines=[RuntimeAssertLine.wrap(line) for line in self.lines],
+            lines=[RuntimeAssertLine.wrap(line) for line in self.lines if not _comment(line)],
             prologue=prologue,
             graph_inputs=self.get_fx_graph_inputs(),
             graph_outputs=self.get_graph_outputs(),

@@ -1,0 +1,210 @@
+"""Client-model tier: tiny random-weight HuggingFace ``transformers`` models through fxrt.
+
+GPT-2, Llama, Qwen2, Mistral, BERT, the T5 encoder and OPT, built from config objects (nothing is
+downloaded; 2 layers, hidden 64, vocab 128, fixed seed, eval mode, ``sdpa`` attention), on both
+fxrt loops, each compared with eager:
+
+- forward through ``torch.compile(model, backend="fxrt")`` with ``dynamic=False`` and ``True``
+  over a few (batch, sequence) shapes;
+- greedy ``generate`` on the decoder-only models with ``model.forward`` compiled, with the default
+  dynamic KV cache (``dynamic`` left at its default) and with ``cache_implementation="static"``
+  (``dynamic=False``): tokens must equal eager's exactly;
+- warm runs: a child process (``clients_child.py``) compiles each forward and a short generate
+  twice against one ``FXRT_CACHE_DIR``; both runs must match eager and the second must hit;
+- ``fxrt.register_fx_wrapper()`` under ``torch.compile``'s default Inductor backend, on each
+  forward and on GPT-2's static-cache generate.
+
+Each in-process test gets a cache directory of its own, so no test sees another's cache entries;
+cross-process reuse is the warm-run test's job.
+
+A dynamic-shape compile of one of these models takes seconds, so the default quick set runs every
+model's static forward and Inductor forward, but generate and warm runs only on GPT-2 and Llama,
+dynamic forward only on Llama and the T5 encoder, and Inductor on one loop.
+``FXRT_CLIENTS=full`` runs every model everywhere, both attention kinds (``sdpa``, ``eager``),
+more shapes, every (KV cache, dynamic) pairing for generate, and Inductor on both loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from clients_child import CLIENTS, DECODERS, build, forward_output, greedy, input_ids
+from conftest import EXECUTORS, native_available, recording_compiles, skip_unless_executor
+
+import fxrt
+
+FULL = os.environ.get("FXRT_CLIENTS", "quick") == "full"
+MODELS = list(CLIENTS)
+QUICK = MODELS if FULL else ["gpt2", "llama"]  # generate and warm runs
+# dynamic=True forward; in the quick set GPT-2's dynamic shapes come from its generate test.
+DYNAMIC = MODELS if FULL else ["llama", "t5_encoder"]
+QUICK_DECODERS = [name for name in DECODERS if name in QUICK]
+ATTENTION = ["sdpa", "eager"] if FULL else ["sdpa"]
+SHAPES = [(1, 8), (2, 5), (3, 12), (4, 1)] if FULL else [(1, 8), (2, 5)]
+PROMPTS = [(2, 8), (1, 5)] if FULL else [(2, 8)]
+# (KV cache, torch.compile's dynamic): the dynamic cache grows every step, so it gets the default
+# (static first, dynamic once a size changes); the static cache keeps its shapes.
+GENERATE = [("dynamic", None), ("static", False)]
+if FULL:
+    GENERATE += [("dynamic", True), ("dynamic", False), ("static", True), ("static", None)]
+INDUCTOR_EXECUTORS = EXECUTORS if FULL else ["cpp" if native_available() else "python"]
+CHILD = Path(__file__).with_name("clients_child.py")
+
+needs_cxx = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="Inductor's CPU backend needs a C++ compiler",
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def fxrt_options(executor: str, cache_dir: Path) -> dict[str, Any]:
+    return {"pure_python": executor == "python", "cache_dir": str(cache_dir)}
+
+
+def cache_kwargs(cache: str) -> dict[str, Any]:
+    return {} if cache == "dynamic" else {"cache_implementation": cache}
+
+
+def assert_ran_on(built: list[fxrt.CompiledGraph], executor: str) -> None:
+    assert built, "fxrt compiled no graph"
+    assert {cg.executor for cg in built} == {executor}
+
+
+def check_forward(model: Any, compiled: Any, name: str, shapes: list[tuple[int, int]]) -> None:
+    for shape in shapes:
+        ids = input_ids(*shape)
+        got = forward_output(compiled, name, ids)
+        torch.testing.assert_close(got, forward_output(model, name, ids), msg=f"shape {shape}")
+
+
+def check_generate(model: Any, compiled_forward: Any, cache: str) -> None:
+    """Greedy tokens with ``compiled_forward`` in place of ``model.forward`` equal eager's."""
+    for prompt in PROMPTS:
+        ids = input_ids(*prompt)
+        expected = greedy(model, ids, **cache_kwargs(cache))
+        model.forward = compiled_forward
+        try:
+            got = greedy(model, ids, **cache_kwargs(cache))
+        finally:
+            del model.forward  # back to the class's forward
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"prompt {prompt}")
+
+
+# --- fxrt as the backend -----------------------------------------------------------------------
+
+
+FORWARD = [(name, False) for name in MODELS] + [(name, True) for name in DYNAMIC]
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize(
+    ("name", "dynamic"), FORWARD, ids=[f"{n}-{'dynamic' if d else 'static'}" for n, d in FORWARD]
+)
+def test_forward(name: str, attn: str, dynamic: bool, executor: str, tmp_path: Path) -> None:
+    skip_unless_executor(executor)
+    model = build(name, attn)
+    options = fxrt_options(executor, tmp_path)
+    with recording_compiles() as built:
+        compiled = torch.compile(model, backend="fxrt", dynamic=dynamic, options=options)
+        check_forward(model, compiled, name, SHAPES)
+    assert_ran_on(built, executor)
+
+
+@pytest.mark.parametrize(
+    ("cache", "dynamic"), GENERATE, ids=[f"{c}_cache-dynamic_{d}" for c, d in GENERATE]
+)
+@pytest.mark.parametrize("name", QUICK_DECODERS)
+def test_generate(
+    name: str, cache: str, dynamic: bool | None, executor: str, tmp_path: Path
+) -> None:
+    skip_unless_executor(executor)
+    model = build(name)
+    options = fxrt_options(executor, tmp_path)
+    with recording_compiles() as built:
+        compiled = torch.compile(model.forward, backend="fxrt", dynamic=dynamic, options=options)
+        check_generate(model, compiled, cache)
+    assert_ran_on(built, executor)
+
+
+# --- warm runs: a second process loads what the first one stored ------------------------------
+
+
+def run_child(cache_dir: Path, executor: str, run: str) -> dict[str, Any]:
+    """Run clients_child.py on ``executor``'s loop; it checks against eager and prints stats."""
+    env = {
+        **os.environ,
+        "FXRT_CACHE": "1",
+        "FXRT_CACHE_DIR": str(cache_dir),
+        "FXRT_PURE_PYTHON": "1" if executor == "python" else "0",
+    }
+    args = ["--models", ",".join(QUICK), "--new-tokens", "16" if FULL else "4"]
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        tops = [line for line in proc.stderr.splitlines() if line and not line[0].isspace()]
+        pytest.fail(f"{run} run exited {proc.returncode}: {tops[-1:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_warm_cache(executor: str, tmp_path: Path) -> None:
+    skip_unless_executor(executor)
+    cold = run_child(tmp_path, executor, "cold")
+    assert cold.get("stored", 0) > 0, cold
+    assert cold["executors"] == [executor]
+    warm = run_child(tmp_path, executor, "warm")
+    assert warm.get("hit", 0) > 0, warm
+    assert warm.get("compiled", 0) == 0, warm  # static shapes only: every graph was stored
+    assert warm["executors"] == [executor]
+
+
+# --- fxrt as Inductor's host-wrapper executor --------------------------------------------------
+
+
+@contextlib.contextmanager
+def fx_wrapper(executor: str, cache_dir: Path) -> Iterator[None]:
+    config = fxrt.CompilerConfig(pure_python=executor == "python", cache_dir=str(cache_dir))
+    fxrt.register_fx_wrapper(config)
+    try:
+        yield
+    finally:
+        fxrt.unregister_fx_wrapper()
+
+
+@needs_cxx
+@pytest.mark.parametrize("executor", INDUCTOR_EXECUTORS)
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_forward(name: str, executor: str, tmp_path: Path) -> None:
+    skip_unless_executor(executor)
+    model = build(name)
+    with fx_wrapper(executor, tmp_path), recording_compiles() as built:
+        compiled = torch.compile(model)
+        check_forward(model, compiled, name, SHAPES if FULL else SHAPES[1:])
+    assert_ran_on(built, executor)
+
+
+@needs_cxx
+@pytest.mark.parametrize("executor", INDUCTOR_EXECUTORS)
+def test_inductor_generate_gpt2_static(executor: str, tmp_path: Path) -> None:
+    skip_unless_executor(executor)
+    model = build("gpt2")
+    with fx_wrapper(executor, tmp_path), recording_compiles() as built:
+        compiled = torch.compile(model.forward, dynamic=False)
+        check_generate(model, compiled, "static")
+    assert_ran_on(built, executor)
