@@ -32,6 +32,8 @@ class ConversionError(ValueError):
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     def dims(xs: Sequence[Any]) -> tuple[int | str, ...]:
+        if all(type(x) is int for x in xs):  # static sizes, the common case: nothing to convert
+            return tuple(xs)
         return tuple(int(x) if _is_static_int(x) else str(x) for x in xs)
 
     try:

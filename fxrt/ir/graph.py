@@ -12,6 +12,7 @@ to a value, and lists/tuples of those (a ``Tensor[]`` argument such as ``cat``'s
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,13 +86,20 @@ class Op:
     @staticmethod
     def of(target: Any) -> Op:
         if isinstance(target, torch._ops.OpOverload):
-            return Op(
-                OpKind.ATEN,
-                target,
-                str(target._schema.name)
-                + (f".{target._overloadname}" if target._overloadname != "default" else ""),
-            )
+            return _aten_op(target)
         return Op(OpKind.PYTHON, target, callable_name(target))
+
+
+@functools.cache
+def _aten_op(target: torch._ops.OpOverload) -> Op:
+    # One Op per overload, shared by every node that calls it (an Op is immutable): building
+    # the name from the schema showed up in the conversion of long graphs.
+    return Op(
+        OpKind.ATEN,
+        target,
+        str(target._schema.name)
+        + (f".{target._overloadname}" if target._overloadname != "default" else ""),
+    )
 
 
 def callable_name(fn: Any) -> str:
@@ -122,7 +130,11 @@ class Node:
     copies: bool = False
 
     def input_ids(self) -> list[int]:
-        return refs_in((self.args, self.kwargs))
+        found: list[int] = []
+        _collect_refs(self.args, found)
+        if self.kwargs:
+            _collect_refs(self.kwargs, found)
+        return found
 
 
 @dataclass(slots=True)
@@ -154,22 +166,29 @@ class Graph:
 def refs_in(tree: Any) -> list[int]:
     """Ids of every Ref in a nested structure of tuples, lists, slices and dicts, in order."""
     found: list[int] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, Ref):
-            found.append(x.id)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-        elif isinstance(x, slice):
-            for y in (x.start, x.stop, x.step):
-                walk(y)
-
-    walk(tree)
+    _collect_refs(tree, found)
     return found
+
+
+def _collect_refs(x: Any, found: list[int]) -> None:
+    # Every pass and planning step calls this on every node's arguments, which are mostly a flat
+    # tuple of refs and numbers: the leaves of a sequence are handled in the loop itself, and
+    # only nested containers recurse.
+    if isinstance(x, Ref):
+        found.append(x.id)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            if isinstance(y, Ref):
+                found.append(y.id)
+            elif isinstance(y, (list, tuple, dict, slice)):
+                _collect_refs(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _collect_refs(y, found)
+    elif isinstance(x, slice):
+        _collect_refs(x.start, found)
+        _collect_refs(x.stop, found)
+        _collect_refs(x.step, found)
 
 
 def map_refs(tree: Any, fn) -> Any:
@@ -184,4 +203,35 @@ def map_refs(tree: Any, fn) -> Any:
         return {k: map_refs(v, fn) for k, v in tree.items()}
     if isinstance(tree, slice):
         return slice(map_refs(tree.start, fn), map_refs(tree.stop, fn), map_refs(tree.step, fn))
+    return tree
+
+
+def substitute_refs(tree: Any, mapping: dict[int, int]) -> Any:
+    """``tree`` with every Ref whose id is a key of ``mapping`` reading ``mapping[id]`` instead.
+
+    Unlike ``map_refs``, what holds no such Ref comes back as the very same object (no copy), so
+    a pass that rewrites the uses of a few values leaves every other node's arguments untouched:
+    cheaper, and the pass manager sees by identity that those nodes did not change. For IR
+    arguments only, which nothing mutates in place; a loop binding registers must copy
+    (``map_refs``)."""
+    if not mapping:
+        return tree
+    if isinstance(tree, Ref):
+        new = mapping.get(tree.id)
+        return tree if new is None else Ref(new)
+    if isinstance(tree, (tuple, list)):
+        items = [substitute_refs(x, mapping) for x in tree]
+        if all(a is b for a, b in zip(items, tree)):
+            return tree
+        return tuple(items) if isinstance(tree, tuple) else items
+    if isinstance(tree, dict):
+        new_items = {k: substitute_refs(v, mapping) for k, v in tree.items()}
+        if all(new_items[k] is v for k, v in tree.items()):
+            return tree
+        return new_items
+    if isinstance(tree, slice):
+        parts = [substitute_refs(x, mapping) for x in (tree.start, tree.stop, tree.step)]
+        if all(a is b for a, b in zip(parts, (tree.start, tree.stop, tree.step))):
+            return tree
+        return slice(*parts)
     return tree

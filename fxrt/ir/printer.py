@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph, Ref
+from .graph import Graph, Node, Ref, Value
 
 
 def format_arg(a: Any, names: dict[int, str] | None = None) -> str:
@@ -34,22 +34,28 @@ def format_call(name: str, args: tuple, kwargs: dict, names: dict[int, str] | No
     return f"{name}({', '.join(parts)})"
 
 
+def value_decl(v: Value) -> str:
+    """``%name: type``, as a value is declared in the text of its graph."""
+    typ = str(v.meta) if v.meta is not None else (v.expr and f"sym {v.expr}") or v.kind.value
+    return f"%{v.name}: {typ}"
+
+
+def node_line(node: Node, values: list[Value], names: dict[int, str]) -> str:
+    """The line of ``node`` in the text of its graph (without the indent)."""
+    outs = ", ".join(value_decl(values[v]) for v in node.outputs)
+    if node.multi:
+        outs = f"({outs})"
+    return f"{outs} = {format_call(node.op.name, node.args, node.kwargs, names)}"
+
+
 def graph_to_text(graph: Graph) -> str:
     """One line per input, constant and node; values print as ``%name: type``."""
     names = {v.id: v.name for v in graph.values}
-
-    def decl(vid: int) -> str:
-        v = graph.values[vid]
-        typ = str(v.meta) if v.meta is not None else (v.expr and f"sym {v.expr}") or v.kind.value
-        return f"%{v.name}: {typ}"
-
-    lines = ["graph(" + ", ".join(decl(v) for v in graph.inputs) + "):"]
+    values = graph.values
+    lines = ["graph(" + ", ".join(value_decl(values[v]) for v in graph.inputs) + "):"]
     for vid, c in graph.constants.items():
-        lines.append(f"  {decl(vid)} = constant {format_arg(c)}")
+        lines.append(f"  {value_decl(values[vid])} = constant {format_arg(c)}")
     for node in graph.nodes:
-        outs = ", ".join(decl(v) for v in node.outputs)
-        if node.multi:
-            outs = f"({outs})"
-        lines.append(f"  {outs} = {format_call(node.op.name, node.args, node.kwargs, names)}")
+        lines.append("  " + node_line(node, values, names))
     lines.append(f"  return {format_arg(graph.output, names)}")
     return "\n".join(lines)

@@ -37,14 +37,17 @@ def verify(graph: Graph) -> Graph:
                 raise VerificationError(
                     f"node {node.name} ({node.op.name}) uses %{vid} ({name}) before it is defined"
                 )
-        if not node.outputs:
+        outputs = node.outputs
+        if not outputs:
             raise VerificationError(f"node {node.name} ({node.op.name}) defines no value")
-        if not node.multi and len(node.outputs) != 1:
+        if not node.multi and len(outputs) != 1:
             raise VerificationError(
-                f"node {node.name} has {len(node.outputs)} outputs but is not marked multi"
+                f"node {node.name} has {len(outputs)} outputs but is not marked multi"
             )
-        for vid in node.outputs:
-            define(vid, f"node {node.name}")
+        for vid in outputs:
+            if vid in defined or not 0 <= vid < n:  # the checks of define(), inline: hot path
+                define(vid, f"node {node.name}")
+            defined.add(vid)
     for vid in refs_in(graph.output):
         if vid not in defined:
             raise VerificationError(f"graph output %{vid} is never defined")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..exec.plan import plan_lifetimes
-from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in
+from ..exec.plan import alias_roots as _alias_roots
+from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in, substitute_refs
 from ..ops.aliasing import bind_schema_args, is_collective
 
 
@@ -37,6 +37,8 @@ def written_values(node: Node) -> list[int]:
     if node.op.kind is not OpKind.ATEN:
         return node.input_ids()
     schema = node.op.target._schema
+    if not schema.is_mutable:  # no (a!) argument at all: most ops, and no need to bind them
+        return []
     bound = bind_schema_args(schema, node.args, node.kwargs)
     return [
         v
@@ -46,12 +48,14 @@ def written_values(node: Node) -> list[int]:
     ]
 
 
-def mutated_alias_roots(graph: Graph) -> set[int]:
+def mutated_alias_roots(graph: Graph, root: tuple[int, ...] | None = None) -> set[int]:
     """Alias-set representatives (``Plan.alias_root``) of every storage some node writes.
 
     Graph inputs may alias one another at run time (two views of one tensor passed as two
-    inputs), so a write to any input counts as a write to every tensor input."""
-    root = plan_lifetimes(graph).alias_root
+    inputs), so a write to any input counts as a write to every tensor input. ``root`` is
+    ``alias_roots(graph)`` when the caller has it already (computing it walks the whole graph)."""
+    if root is None:
+        root = alias_roots(graph)
     written = {root[v] for node in graph.nodes for v in written_values(node)}
     inputs = {root[v] for v in graph.inputs if graph.values[v].kind is ValueKind.TENSOR}
     if written & inputs:
@@ -60,7 +64,9 @@ def mutated_alias_roots(graph: Graph) -> set[int]:
 
 
 def alias_roots(graph: Graph) -> tuple[int, ...]:
-    return plan_lifetimes(graph).alias_root
+    """Per value id, the representative of its alias set (``Plan.alias_root``). A pass computes
+    it once, at its start, and hands it to ``mutated_alias_roots`` and ``output_alias_roots``."""
+    return _alias_roots(graph)
 
 
 def output_alias_roots(graph: Graph, root: tuple[int, ...]) -> set[int]:
@@ -70,13 +76,11 @@ def output_alias_roots(graph: Graph, root: tuple[int, ...]) -> set[int]:
 
 
 def replace_uses(graph: Graph, mapping: dict[int, int]) -> None:
-    """Rewrite every read of ``old`` into a read of ``mapping[old]`` (nodes and output)."""
-    from ..ir.graph import Ref, map_refs
-
-    def sub(r: Ref) -> Ref:
-        return Ref(mapping.get(r.id, r.id))
-
+    """Rewrite every read of ``old`` into a read of ``mapping[old]`` (nodes and output). Nodes
+    that read none of them keep their very argument objects (see ``substitute_refs``)."""
+    if not mapping:
+        return
     for node in graph.nodes:
-        node.args = map_refs(node.args, sub)
-        node.kwargs = map_refs(node.kwargs, sub)
-    graph.output = map_refs(graph.output, sub)
+        node.args = substitute_refs(node.args, mapping)
+        node.kwargs = substitute_refs(node.kwargs, mapping)
+    graph.output = substitute_refs(graph.output, mapping)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ir.graph import Graph, Ref, map_refs
+from ..ir.graph import Graph, substitute_refs
 from .analysis import (
     alias_roots,
     is_pure,
@@ -38,16 +38,19 @@ def _key(x: Any) -> Any:
 
 
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
-    mutated = mutated_alias_roots(graph)
-    root = alias_roots(graph)
+    root = alias_roots(graph)  # once per pass: it walks the whole graph
+    mutated = mutated_alias_roots(graph, root)
     returned = output_alias_roots(graph, root)
     seen: dict[Any, list[int]] = {}
     mapping: dict[int, int] = {}
     kept = []
     for node in graph.nodes:
-        node.args = map_refs(node.args, lambda r: Ref(mapping.get(r.id, r.id)))
-        node.kwargs = map_refs(node.kwargs, lambda r: Ref(mapping.get(r.id, r.id)))
-        touched = [*node.input_ids(), *node.outputs]
+        ins = node.input_ids()
+        if mapping and any(v in mapping for v in ins):  # reads a dropped node's output
+            node.args = substitute_refs(node.args, mapping)
+            node.kwargs = substitute_refs(node.kwargs, mapping)
+            ins = node.input_ids()
+        touched = [*ins, *node.outputs]
         if not is_pure(node) or any(root[v] in mutated for v in touched):
             kept.append(node)
             continue

@@ -40,8 +40,12 @@ def _nbytes(x: Any) -> int:
 def fold_constants(
     graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES, foldable: Collection[int] | None = None
 ) -> Graph:
-    mutated = mutated_alias_roots(graph)
-    root = alias_roots(graph)
+    if not any(foldable is None or v in foldable for v in graph.constants):
+        # Nothing to fold through (the usual case: compile_graph folds only frozen weights), so
+        # no node can fold: skip the alias analysis, which walks the whole graph.
+        return graph
+    root = alias_roots(graph)  # once per pass
+    mutated = mutated_alias_roots(graph, root)
     returned = output_alias_roots(graph, root)
     known = {
         v: c

@@ -28,9 +28,7 @@ COPY_NOOPS = frozenset({"aten::clone", "aten::_to_copy"})
 
 
 def remove_noops(graph: Graph) -> Graph:
-    mutated = mutated_alias_roots(graph)
-    root = alias_roots(graph)
-    returned = output_alias_roots(graph, root)
+    facts: tuple[tuple[int, ...], set[int], set[int]] | None = None
     mapping: dict[int, int] = {}
     kept = []
     for node in graph.nodes:
@@ -47,10 +45,18 @@ def remove_noops(graph: Graph) -> Graph:
                     (a.shape, a.stride, a.dtype, a.device) == (b.shape, b.stride, b.dtype, b.device)
                 )
             )
-            written = root[inp] in mutated or root[out] in mutated
-            if same and not written and root[out] not in returned:
-                mapping[out] = inp
-                continue
+            if same:
+                if facts is None:
+                    # The alias analysis walks the whole graph: only for a graph that has a
+                    # candidate, once. Nothing edits the graph before the loop ends, so it is
+                    # what computing it up front would give.
+                    root = alias_roots(graph)
+                    facts = root, mutated_alias_roots(graph, root), output_alias_roots(graph, root)
+                root, mutated, returned = facts
+                written = root[inp] in mutated or root[out] in mutated
+                if not written and root[out] not in returned:
+                    mapping[out] = inp
+                    continue
         kept.append(node)
     graph.nodes = kept
     replace_uses(graph, mapping)
