@@ -113,6 +113,29 @@ class LoggingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class RecordingFunctionMode(torch.overrides.TorchFunctionMode):
+    """Records the name of every function ``__torch_function__`` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class LoggingTensor(torch.Tensor):
+    """A subclass whose ``__torch_function__`` records what it sees (in ``seen``)."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 @pytest.fixture(params=EXECUTORS)
 def executor(request) -> str:
     return request.param

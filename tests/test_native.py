@@ -23,9 +23,8 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
-from conftest import run_in_threads
+from conftest import LoggingTensor, RecordingFunctionMode, run_in_threads
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.overrides import TorchFunctionMode
 
 import fxrt
 from fxrt.exec import native
@@ -241,25 +240,6 @@ def test_autograd_through_both_loops():
     torch.testing.assert_close(grads[1], w.grad)
 
 
-class RecordingMode(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class LoggingTensor(torch.Tensor):
-    seen: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(str(func))
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 @needs_native
 def test_torch_function_is_honoured_like_torch_ops():
     x = torch.randn(3)
@@ -267,7 +247,7 @@ def test_torch_function_is_honoured_like_torch_ops():
     py, nat = both_loops(program)
     seen = []
     for loop in (py, nat):
-        with RecordingMode() as mode:
+        with RecordingFunctionMode() as mode:
             loop([x])
         seen.append(mode.seen)
     assert seen[0] == seen[1] == ["aten.sin.default", "aten.cos.default"]

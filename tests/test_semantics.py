@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import skip_unless_executor
+from conftest import LoggingTensor, RecordingFunctionMode, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -281,33 +281,17 @@ def test_arena_pool_keeps_a_few_idle_arenas_and_releases_them(executor):
 # Profiling changes nothing
 
 
-class _RecordingMode(torch.overrides.TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class _LoggingTensor(torch.Tensor):
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 def test_profiling_keeps_torch_function(executor):
     skip_unless_executor(executor)
     x = torch.randn(3)
     cg = fxrt.compile_graph(make_fx(lambda t: t.sin().cos())(x), [x], cfg(executor))
     with fxrt.profile() as prof:
-        with _RecordingMode() as mode:
+        with RecordingFunctionMode() as mode:
             cg(x)
-        out = cg(x.as_subclass(_LoggingTensor))
+        out = cg(x.as_subclass(LoggingTensor))
     assert mode.seen == ["aten.sin.default", "aten.cos.default"]
-    assert type(out) is _LoggingTensor  # as eager's x.sin().cos() of a subclass
-    assert type(x.as_subclass(_LoggingTensor).sin().cos()) is _LoggingTensor
+    assert type(out) is LoggingTensor  # as eager's x.sin().cos() of a subclass
+    assert type(x.as_subclass(LoggingTensor).sin().cos()) is LoggingTensor
     assert len(prof.calls) == 2
 
 
