@@ -131,6 +131,9 @@ class Store:
             return self.entry_path(key).read_bytes(), record
         except FileNotFoundError:
             return None
+        except OSError as e:
+            warnings.warn(f"fxrt cache: cannot read {self.entry_path(key)}: {e}", stacklevel=3)
+            return None
 
     def read_blob(self, sha: str) -> bytes:
         if not _KEY.fullmatch(sha):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -221,15 +222,18 @@ def _load_entry(
             if i is not None and i < len(key_graph.nodes):
                 node.stack_trace = key_graph.nodes[i].stack_trace  # this process's source line
         cg = CompiledGraph._rebuilt(graph, plan, records, config)
-    except (SerializationError, ArtifactError) as e:
+    except Exception as e:  # whatever is wrong with an entry, a cache never fails a compile
         cache.stats["rejected"] += 1
         warnings.warn(
-            f"fxrt cache: ignoring unusable entry {path} ({e}); removed it and compiling again",
+            f"fxrt cache: ignoring unusable entry {path} ({type(e).__name__}: {e}); removed it "
+            "and compiling again",
             stacklevel=4,
         )
-        store.remove(key)
+        with contextlib.suppress(OSError):
+            store.remove(key)
         return None
-    store.touch(key)
+    with contextlib.suppress(OSError):  # a read-only cache still serves hits
+        store.touch(key)
     return cg
 
 
