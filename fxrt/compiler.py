@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -121,8 +122,9 @@ class CompiledGraph:
             SerializationError: not an fxrt artifact, damaged, invalid, or made by another
                 fxrt/torch.
         """
-        graph, plan, records = load_graph(artifact)
-        return cls._rebuilt(graph, plan, records, config or CompilerConfig())
+        with _gc_paused():
+            graph, plan, records = load_graph(artifact)
+            return cls._rebuilt(graph, plan, records, config or CompilerConfig())
 
     @classmethod
     def _rebuilt(
@@ -176,7 +178,8 @@ def cached_compile(
         store = cache.open_store(config)
         if store is None:
             return build()
-        hit = _load_entry(store, key, key_graph, config)
+        with _gc_paused():
+            hit = _load_entry(store, key, key_graph, config)
     if hit is not None:
         cache.stats["hit"] += 1
         log.info("fxrt cache: hit %s key %s", name, key[:16])
@@ -192,6 +195,20 @@ def cached_compile(
     with _disable_current_modes():
         _store_entry(store, key, caller, traces, cg, name)
     return cg
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No garbage collection while an entry is rebuilt: it allocates thousands of small objects,
+    and in a process that holds Dynamo's state a full collection they trigger costs far more than
+    the rebuild itself (measured: 200 ms of a 260 ms warm load of 8 decoder blocks)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _load_entry(

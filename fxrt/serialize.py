@@ -22,7 +22,6 @@ An artifact is a closed format that loads without running code and without trust
 
 from __future__ import annotations
 
-import gc
 import math
 import operator
 import re
@@ -480,10 +479,6 @@ def decode_graph(
         raise SerializationError(
             f"artifact was made by {doc.get('versions')}, this is {versions()}"
         )
-    # Rebuilding allocates thousands of small objects; in a process that holds Dynamo's state a
-    # full garbage collection triggered here costs far more than the rebuild itself.
-    was_enabled = gc.isenabled()
-    gc.disable()
     try:
         graph, records, traces = _Reader(doc, fetch, caller_constants).graph()
         return graph, plan_lifetimes(graph), records, traces
@@ -491,9 +486,6 @@ def decode_graph(
         raise
     except (KeyError, TypeError, ValueError, IndexError, RecursionError, ArtifactError) as e:
         raise _fail(f"{type(e).__name__}: {e}") from e
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def dump_graph(graph: Graph, records: Sequence[Any] = ()) -> bytes:
