@@ -40,10 +40,11 @@ sweep: $(VENV)/.fxrt
 
 # Every number the README quotes (several minutes; run on a quiet machine).
 bench: $(VENV)/.fxrt
-	$(PY) -m fxrt bench
+	$(PY) -m fxrt bench --rounds 25
 	$(PY) benchmarks/entry.py
 	$(PY) benchmarks/dynamic.py
 	$(PY) benchmarks/cache.py
+	$(PY) benchmarks/compile_time.py --sizes 1000 3000 6000 15000
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/inductor.py
 
