@@ -13,6 +13,8 @@ without importing torch; ``import fxrt`` followed by any attribute access loads 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -63,6 +65,19 @@ assert set(__all__) == {*_PUBLIC, "__version__"}
 def _load_all() -> None:
     for name, module in _PUBLIC.items():
         globals()[name] = getattr(importlib.import_module(module, __name__), name)
+
+
+class _Package(types.ModuleType):
+    """The package's module type: importing the submodule ``fxrt.backend`` (how torch finds the
+    backend by name) must not rebind the public ``fxrt.backend``, which is the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "backend" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
