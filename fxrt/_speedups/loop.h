@@ -25,12 +25,12 @@
 #pragma once
 
 #include "call.h"
+#include "inputs.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
-#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <chrono>
@@ -72,15 +72,6 @@ struct InputGuard {
   at::ScalarType dtype;
 };
 
-// What each call checks about one tensor input (fxrt/exec/inputs.py, InputSpec): sizes and strides
-// >= 0 must match exactly, -1 is not checked, -2 - k is size symbol k (one value per call).
-struct InputSpec {
-  size_t reg;
-  at::ScalarType dtype;
-  c10::Device device;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
-};
 
 // Arenas not in use, one pool per inference mode: an arena made in inference mode holds
 // inference tensors, which normal mode may not write.
@@ -327,7 +318,7 @@ class Executor {
     for (Py_ssize_t i = 0; i < n; ++i) {
       regs[static_cast<size_t>(inputs_[i])] = from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
     }
-    if (!input_specs_.empty() && !inputs_match(regs)) {
+    if (!input_specs_.empty() && !inputs_match(input_specs_, n_symbols_, regs)) {
       py::object exc = on_mismatch_(seq);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
       throw_python_error();
@@ -373,43 +364,6 @@ class Executor {
       pool_.give_back(std::move(arena), inference);
     }
     return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
-  }
-
-  // The inputs against their specs (see InputSpec); the Python side words the error.
-  bool inputs_match(const Registers& regs) const {
-    c10::SmallVector<int64_t, 8> bound(n_symbols_, -1);
-    for (const InputSpec& spec : input_specs_) {
-      const IValue& v = regs[spec.reg];
-      if (!v.isTensor()) {
-        return false;
-      }
-      const at::Tensor& t = v.toTensor();
-      if (t.scalar_type() != spec.dtype || t.device() != spec.device ||
-          t.dim() != static_cast<int64_t>(spec.sizes.size())) {
-        return false;
-      }
-      c10::IntArrayRef sizes = t.sizes();
-      c10::IntArrayRef strides = t.strides();
-      for (size_t d = 0; d < spec.sizes.size(); ++d) {
-        int64_t want = spec.sizes[d];
-        if (want >= 0) {
-          if (sizes[d] != want) {
-            return false;
-          }
-        } else if (want != -1) {
-          int64_t& b = bound[static_cast<size_t>(-2 - want)];
-          if (b < 0) {
-            b = sizes[d];
-          } else if (b != sizes[d]) {
-            return false;
-          }
-        }
-        if (spec.strides[d] >= 0 && strides[d] != spec.strides[d]) {
-          return false;
-        }
-      }
-    }
-    return true;
   }
 
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
