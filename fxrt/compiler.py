@@ -174,12 +174,13 @@ def cached_compile(
         except cache.Unkeyable as e:
             cache.stats["uncached"] += 1
             log.debug("fxrt cache: not caching %s: %s", name, e)
-            return build()
-        store = cache.open_store(config)
-        if store is None:
-            return build()
-        with _gc_paused():
-            hit = _load_entry(store, key, key_graph, config)
+            key = None
+        store = cache.open_store(config) if key is not None else None
+        if store is not None:
+            with _gc_paused():
+                hit = _load_entry(store, key, key_graph, config)
+    if store is None:  # build() runs in the caller's modes (Dynamo's fake mode)
+        return build()
     if hit is not None:
         cache.stats["hit"] += 1
         log.info("fxrt cache: hit %s key %s", name, key[:16])
