@@ -35,6 +35,7 @@ class InputSpec:
     meta: TensorMeta
     sizes: tuple[int, ...]  # >= 0 exact, ANY, or -2 - k for size symbol k
     strides: tuple[int, ...]  # >= 0 exact, or ANY
+    device: torch.device  # meta.device, resolved once rather than per call
 
     def describe(self) -> str:
         dt = str(self.meta.dtype).removeprefix("torch.")
@@ -64,7 +65,8 @@ def input_specs(graph: Graph) -> tuple[InputSpec, ...]:
             st if isinstance(st, int) and isinstance(sz, int) and sz > 1 else ANY
             for sz, st in zip(v.meta.shape, v.meta.stride)
         )
-        specs.append(InputSpec(pos, v.name, v.meta, tuple(sizes), strides))
+        device = torch.device(v.meta.device)
+        specs.append(InputSpec(pos, v.name, v.meta, tuple(sizes), strides, device))
     return tuple(specs)
 
 
@@ -101,7 +103,7 @@ def _check(specs: Sequence[InputSpec], inputs: Sequence[Any]) -> None:
         if (
             not isinstance(x, torch.Tensor)
             or x.dtype != spec.meta.dtype
-            or x.device != torch.device(spec.meta.device)
+            or x.device != spec.device
             or x.dim() != len(spec.sizes)
         ):
             raise mismatch(spec, x)

@@ -22,6 +22,12 @@ from .program import Call, Free, Program
 _CALL, _FREE, _ARENA = 0, 1, 2
 
 
+def torch_function_active(inputs: list[Any] | tuple[Any, ...]) -> bool:
+    """A TorchFunctionMode is active or an input overrides ``__torch_function__``: the call's
+    ops must go through torch.ops (the Python loop), without the arena."""
+    return torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs)
+
+
 def fills_uninitialized_memory() -> bool:
     """``torch.use_deterministic_algorithms(True)`` with ``fill_uninitialized_memory``: new
     tensors are filled (NaN), which a reused arena slot is not, so no arena is used."""
@@ -169,8 +175,7 @@ class PythonLoop:
         if arena is None:
             return None
         if (
-            torch._C._is_torch_function_mode_enabled()
-            or torch._C._has_torch_function(inputs)
+            torch_function_active(inputs)
             or torch._C._len_torch_dispatch_stack()
             or fills_uninitialized_memory()
         ):

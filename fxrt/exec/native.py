@@ -33,7 +33,7 @@ import torch
 from ..errors import node_error
 from ..ir.graph import Ref, map_refs
 from .inputs import InputError, InputSpec, check_inputs
-from .interp import PythonLoop, input_refs_of
+from .interp import PythonLoop, input_refs_of, torch_function_active
 from .program import Call, Free, Program
 
 # Release the GIL around native instructions, as torch.ops does around every op. Measured on the
@@ -250,10 +250,7 @@ class NativeLoop(_Executor):
             self._python_loop = PythonLoop(self.program, arena_max_idle=self.arena_max_idle)
         return self._python_loop
 
-    @staticmethod
-    def torch_function_active(inputs: list[Any] | tuple[Any, ...]) -> bool:
-        """A TorchFunctionMode is active or an input overrides ``__torch_function__``."""
-        return torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs)
+    torch_function_active = staticmethod(torch_function_active)
 
 
 def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
