@@ -60,13 +60,13 @@ class CompiledGraph:
         self._boxed_call = True
         self.graph = graph
         self.plan = plan
-        self.program = program
         self.config = config
         idle = config.arena_max_idle
         if config.pure_python or not native_available():
             self._loop: PythonLoop | NativeLoop = PythonLoop(program, arena_max_idle=idle)
         else:
             self._loop = NativeLoop(program, arena_max_idle=idle)
+        self.program = self._loop.program  # with the compiled loop's demotions, if any
         self.executor: str = self._loop.name
         self.pass_records: list[PassRecord] = []
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
@@ -81,11 +81,8 @@ class CompiledGraph:
         """One call through the loop's timed variant, recorded in the active fxrt.profile()."""
         torch_ranges = torch.autograd.profiler._is_profiler_enabled
         names = tuple(n.name for n in self.program.nodes) if torch_ranges else None
-        loop = self._loop
-        if isinstance(loop, NativeLoop) and loop.torch_function_active(inputs):
-            loop = loop.python_loop()  # as an unprofiled call would: __torch_function__ sees ops
         t0 = time.perf_counter_ns()
-        out, timings = loop.run_timed(inputs, names)
+        out, timings = self._loop.run_timed(inputs, names)
         t1 = time.perf_counter_ns()
         prof = profiler.active()
         if prof is not None:

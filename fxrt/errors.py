@@ -1,10 +1,12 @@
-"""Errors fxrt raises, and the message both loops give when an op fails."""
+"""Errors fxrt raises, and the one builder both loops use when an instruction fails."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from .ir.graph import Ref, map_refs, refs_in
 
 
 class ExecutionError(RuntimeError):
@@ -75,3 +77,23 @@ def node_error(
         exc.add_note(message)  # keep the type the caller catches; the note names the node
         return exc
     return ExecutionError(message)
+
+
+def has_refs(a: Any) -> bool:
+    """Whether an argument reads registers (a Ref, or a container holding one)."""
+    return isinstance(a, (Ref, list, tuple, dict, slice)) and bool(refs_in(a))
+
+
+def instruction_error(program: Any, pc: int, regs: list[Any], exc: BaseException) -> BaseException:
+    """The exception a loop raises (``from exc``) when instruction ``pc`` of ``program`` failed
+    with ``exc``; ``regs`` is the register file at that point. Both loops call this."""
+    ins = program.code[pc]
+    if not hasattr(ins, "node"):  # a FREE cannot fail but by a bug: keep the original
+        return exc
+    info = program.nodes[ins.node]
+    args = [
+        map_refs(a, lambda ref: regs[ref.id])
+        for a in (*ins.args, *ins.kwargs.values())
+        if has_refs(a)
+    ]
+    return node_error(info.name, info.op, info.stack_trace, args, exc)

@@ -32,11 +32,11 @@ def test_chain_frees_each_intermediate_after_its_last_use():
     assert str(cg.program) == golden("""
         program(%x_1, %w_1): 9 registers
           arena  128 bytes, 3 slots
-             0  CALL   %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
-             1  CALL   %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu)
+             0  OUT    %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
+             1  OUT    %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu)
              2  FREE   %mm
-             3  CALL   %t = aten::t(%relu) (inline)
-             4  CALL   %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out
+             3  VIEW   %t = aten::t(%relu) (inline)
+             4  OUT    %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out
              5  FREE   %relu, %t
              6  CALL   %sigmoid = aten::sigmoid(%x_1)
              7  CALL   %sum_2 = aten::sum(%sigmoid)
@@ -76,7 +76,7 @@ def test_views_of_inputs_and_outputs_are_never_freed():
         program(%x_1): 6 registers
           arena  64 bytes, 1 slots
              0  CALL   (%split_0, %split_1) = aten::split.Tensor(%x_1, 2)
-             1  CALL   %cat = aten::cat([%split_1, %split_0]) -> arena[0:64] via aten::cat.out
+             1  OUT    %cat = aten::cat([%split_1, %split_0]) -> arena[0:64] via aten::cat.out
              2  CALL   %mul = aten::mul.Tensor(%cat, 2)
              3  FREE   %cat
              4  CALL   %view = aten::view(%mul, [-1])
@@ -114,15 +114,20 @@ def test_unused_outputs_of_multi_output_ops_are_freed_at_once():
     assert "FREE   %max_1_1" in text.splitlines()[2]
 
 
-def test_fallbacks_are_listed():
+def test_sym_steps_and_fallbacks_are_listed():
     def f(x):
-        return x * (x.shape[0] * 2 + 1)
+        return x * (x.shape[0] * 2 + 1) * (x.shape[0] / 2)
 
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 2))
     cg = fxrt.compile_graph(gm, None)
-    assert "PYCALL" in str(cg.program)
-    assert cg.program.fallbacks and str(cg.program).splitlines()[-1].startswith("fallbacks: ")
+    text = str(cg.program)
+    # Integer size arithmetic runs natively (SYM); true division has no native step (PYCALL).
+    assert "SYM    %mul = operator.mul(%sym_size_int, 2)" in text
+    assert "PYCALL %truediv = operator.truediv(" in text
+    assert cg.program.fallbacks == ("truediv",)
+    assert text.splitlines()[-1] == "fallbacks: truediv"
     torch.testing.assert_close(cg(torch.ones(5, 2)), f(torch.ones(5, 2)))
+    torch.testing.assert_close(cg(torch.ones(2, 2)), f(torch.ones(2, 2)))
 
 
 def test_wrong_number_of_inputs_is_a_clear_error():

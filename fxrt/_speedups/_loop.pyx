@@ -5,9 +5,9 @@
 ``Executor`` owns one C++ ``fxrt::Executor``. fxrt.exec.native.NativeLoop subclasses it, builds it
 instruction by instruction from a Program, and is called directly (the subclass inherits this
 type's call slot, so a call costs no Python frame). This module adds no logic of its own beyond
-two hand-offs to the subclass: a failed run's register file goes to ``_execution_error``, which
-builds the exception the Python loop would raise, and a call that torch.ops would route through
-``__torch_function__`` goes to ``_run_with_torch_function``.
+one hand-off to the subclass: a failed run's register file goes to ``_execution_error``, which
+builds the exception the Python loop would raise. A call that torch.ops would route through
+``__torch_function__`` runs every instruction's Python form (loop.h).
 """
 
 from libc.stdint cimport int64_t
@@ -41,27 +41,39 @@ cdef extern from "loop.h":
         void set_constant(int64_t reg, object value) except +set_python_error
         void set_output(object tree) except +set_python_error
         void add_free(const vector[int64_t]& regs) except +set_python_error
-        cbool add_call(
-            object name,
-            object overload,
-            object args,
-            object kwargs,
-            const vector[int64_t]& outputs,
-            cbool multi,
+        string add_call(
+            object fn, object name, object overload, object args, object kwargs,
+            const vector[int64_t]& outputs, cbool multi,
         ) except +set_python_error
-        cbool set_arena_slot(
-            int64_t slot, object out_name, object out_overload, object out_args, object out_kwargs
+        string add_out(
+            object fn, object name, object overload, object args, object kwargs,
+            const vector[int64_t]& outputs, int64_t slot,
+            object out_name, object out_overload, object out_args, object out_kwargs,
         ) except +set_python_error
-        void set_arena(object factory, object guards, cbool constants_need_grad, int64_t max_idle) except +set_python_error
-        void release_arenas()
-        size_t idle_arenas()
-        void set_input_specs(object specs, object on_mismatch) except +set_python_error
-        cbool set_inline_view() except +set_python_error
+        string add_alloc(
+            object fn, object name, object overload, object args, object kwargs,
+            const vector[int64_t]& outputs, int64_t slot, cbool cpu,
+        ) except +set_python_error
+        string add_view(
+            object fn, object name, object overload, object args, object kwargs,
+            const vector[int64_t]& outputs, int64_t kind, cbool always,
+            const vector[int64_t]& ints, const vector[int64_t]& strides, int64_t offset,
+        ) except +set_python_error
+        string add_sym(object fn, int64_t kind, object args, int64_t output) except +set_python_error
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
-        object run(object inputs, Failure& failure)
-        object run_timed(object inputs, Failure& failure, vector[int64_t]& timings, cbool ranges)
+        void set_arena(object factory, int64_t max_idle) except +set_python_error
+        void set_guards(
+            object specs, object on_mismatch, object arena_inputs, cbool constants_need_grad
+        ) except +set_python_error
+        void release_arenas()
+        size_t idle_arenas()
+        object run(object inputs, Failure& failure, cbool through_python)
+        object run_timed(
+            object inputs, Failure& failure, vector[int64_t]& timings, cbool ranges,
+            cbool through_python,
+        )
         void set_names(const vector[string]& names) except +set_python_error
 
 
@@ -69,10 +81,18 @@ TORCH_VERSION = built_torch_version().decode()
 """The ``torch.__version__`` this extension was compiled against."""
 
 
+cdef inline cbool _through_python(inputs):
+    """Whether torch.ops would route this call's ops through ``__torch_function__``."""
+    cdef int state = torch_function_state(inputs)
+    return state == 1 or (state == 2 and _has_torch_function(inputs))
+
+
 cdef class Executor:
     """A compiled Program. Subclasses (fxrt.exec.native.NativeLoop) call ``_init_executor`` once,
-    add the instructions in program order with the ``add_*`` methods, then call the instance
-    with the list of graph inputs. They override ``_execution_error`` to name the failing node.
+    add the instructions in program order with the ``add_*`` methods (one per instruction kind;
+    each returns None when added, else why it cannot be bound, having added nothing), then call
+    the instance with the list of graph inputs. They override ``_execution_error`` to name the
+    failing node.
     """
 
     cdef CExecutor* impl
@@ -109,27 +129,59 @@ cdef class Executor:
     def add_free(self, regs):
         self._impl().add_free(regs)
 
-    def add_call(self, str name, str overload, tuple args, dict kwargs, outputs, cbool multi):
-        """Add an ATen call; False (nothing added) if it cannot run natively."""
-        return self._impl().add_call(name, overload, args, kwargs, outputs, multi)
+    def add_call(self, fn, str name, str overload, tuple args, dict kwargs, outputs, cbool multi):
+        """CALL ``name.overload(*args, **kwargs)``; ``fn`` is its Python form."""
+        return _why(self._impl().add_call(fn, name, overload, args, kwargs, outputs, multi))
 
-    def set_arena_slot(self, int64_t slot, out_name, out_overload, tuple out_args, out_kwargs):
-        """Give the call just added arena slot ``slot``, written by the ATen call
-        ``out_name.out_overload(*out_args, **out_kwargs)`` whose ``out`` reads the result's
-        register (``out_name`` None: an allocation, no call). False if it cannot be bound."""
-        return self._impl().set_arena_slot(slot, out_name, out_overload, out_args, out_kwargs)
+    def add_out(
+        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t slot,
+        str out_name, str out_overload, tuple out_args, dict out_kwargs,
+    ):
+        """OUT: the CALL, and on calls with an arena ``out_name.out_overload(*out_args,
+        **out_kwargs)`` writing slot ``slot`` (its ``out`` reads the result register)."""
+        return _why(self._impl().add_out(
+            fn, name, overload, args, kwargs, outputs, slot,
+            out_name, out_overload, out_args, out_kwargs,
+        ))
 
-    def set_inline_view(self):
-        """Let the call just added be made inline as a view on calls that use the arena (no
-        autograd); False if it cannot be."""
-        return self._impl().set_inline_view()
+    def add_alloc(
+        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t slot,
+        cbool cpu,
+    ):
+        """ALLOC: arena slot ``slot`` (-1: none), else the direct CPU empty_strided (``cpu``),
+        else the CALL."""
+        return _why(self._impl().add_alloc(fn, name, overload, args, kwargs, outputs, slot, cpu))
 
-    def set_arena(self, factory, list guards, cbool constants_need_grad, int64_t max_idle=2):
-        """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); ``guards``
-        lists ``(input position, meta tensor)`` pairs the inputs must match in size and dtype;
-        with ``constants_need_grad``, calls in grad mode run without the arena; at most
+    def add_view(
+        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t kind,
+        cbool always, ints, strides, int64_t offset,
+    ):
+        """VIEW of kind ``kind`` (0 view, 1 t, 2 transpose, 3 permute, 4 reinterpret), made
+        inline on every call (``always``) or on calls with an arena; else the CALL."""
+        return _why(self._impl().add_view(
+            fn, name, overload, args, kwargs, outputs, kind, always, ints, strides, offset
+        ))
+
+    def add_sym(self, fn, int64_t kind, tuple args, int64_t output):
+        """SYM step ``kind`` (0 add ... 13 min, loop.h's order) on registers and ints."""
+        return _why(self._impl().add_sym(fn, kind, args, output))
+
+    def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
+        """PYCALL ``fn(*args, **kwargs)``."""
+        self._impl().add_pycall(fn, args, kwargs, outputs, multi)
+
+    def set_arena(self, factory, int64_t max_idle=2):
+        """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); at most
         ``max_idle`` arenas per inference mode are kept between calls."""
-        self._impl().set_arena(factory, guards, constants_need_grad, max_idle)
+        self._impl().set_arena(factory, max_idle)
+
+    def set_guards(self, list specs, on_mismatch, list arena_inputs, cbool constants_need_grad):
+        """The Program's per-call guards (fxrt.exec.guards): input ``specs`` as ``(position,
+        meta tensor of the dtype, device, sizes, strides)`` with ``on_mismatch(inputs)`` returning
+        the exception a mismatch raises; ``arena_inputs`` as ``(position, meta tensor)`` pairs an
+        input must match in size and dtype to use the arena; with ``constants_need_grad``, calls
+        in grad mode run without the arena."""
+        self._impl().set_guards(specs, on_mismatch, arena_inputs, constants_need_grad)
 
     def release_arenas(self):
         """Free the arenas kept between calls."""
@@ -139,28 +191,18 @@ cdef class Executor:
         """How many arenas are kept between calls now."""
         return self._impl().idle_arenas()
 
-    def set_input_specs(self, list specs, on_mismatch):
-        """Check every call's inputs: ``specs`` are ``(position, meta tensor of the dtype,
-        device, sizes, strides)`` (fxrt.exec.inputs); ``on_mismatch(inputs)`` returns the
-        exception a mismatch raises."""
-        self._impl().set_input_specs(specs, on_mismatch)
-
-    def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
-        """Add a call of a Python callable."""
-        self._impl().add_pycall(fn, args, kwargs, outputs, multi)
-
     def set_names(self, names):
         """Node names per instruction (program order), for torch.profiler ranges."""
         self._impl().set_names([n.encode() for n in names])
 
     def run_timed(self, inputs, cbool ranges=False):
         """Run once through the instrumented loop; return ``(output, timings)`` where timings is
-        a flat list of ``pc, start_ns, end_ns`` for every CALL and PYCALL."""
+        a flat list of ``pc, start_ns, end_ns`` for every instruction but FREEs."""
         cdef Failure failure
         cdef vector[int64_t] timings
         cdef CExecutor* impl = self._impl()
         try:
-            out = impl.run_timed(inputs, failure, timings, ranges)
+            out = impl.run_timed(inputs, failure, timings, ranges, _through_python(inputs))
         except Exception as exc:
             if failure.pc < 0:
                 raise
@@ -173,21 +215,17 @@ cdef class Executor:
         register file at that point."""
         return exc
 
-    def _run_with_torch_function(self, inputs):
-        """Run a call whose ops torch.ops would send through ``__torch_function__`` (an active
-        TorchFunctionMode, a tensor subclass input): the compiled loop cannot, subclasses can."""
-        raise NotImplementedError("__torch_function__ is active; run this call on the Python loop")
-
     def __call__(self, inputs):
         cdef Failure failure
         cdef CExecutor* impl = self._impl()
-        cdef int state = torch_function_state(inputs)
-        if state == 1 or (state == 2 and _has_torch_function(inputs)):
-            return self._run_with_torch_function(inputs)
         try:
-            return impl.run(inputs, failure)
+            return impl.run(inputs, failure, _through_python(inputs))
         except Exception as exc:
             if failure.pc < 0:
                 raise
             regs = failure_registers(failure)
             raise self._execution_error(failure.pc, regs, exc) from exc
+
+
+cdef _why(string why):
+    return why.decode() if why.size() else None

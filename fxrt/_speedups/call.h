@@ -1,9 +1,7 @@
-// A CALL instruction run natively: a c10::OperatorHandle and its complete boxed argument list.
-//
-// bind_call() resolves a Program's Call once. Its arguments become one slot per schema argument,
-// in schema order: positional arguments, kwarg-only ones taken from the call's kwargs by name,
-// and the schema's default values for what the call omits, so the boxed stack is complete. A
-// slot is
+// Binds and runs CALLs: an op of the Program (fxrt/exec/program.py) resolved once to a
+// c10::OperatorHandle with one BoundArg per schema argument (call_op.h), positional arguments
+// first, then the rest taken from the call's kwargs by name, and the schema's default values for
+// what the call omits, so the boxed stack is complete. An argument is
 //
 // * CONST: a constant converted once against the argument's schema type, with torch.ops' own
 //   conversion (torch::jit::argumentToIValue);
@@ -17,16 +15,13 @@
 // as torch.ops converts it, so the op sees what it would see under the Python loop.
 //
 // run_call() fills the stack, calls callBoxed, and stores the returns in the output registers,
-// unpacking a multi-output return (several returns, or one list) in order. Given an arena (see
-// fxrt/exec/arena.py) and a call whose result has a slot there, it puts the slot's tensor in the
-// result register and runs the call's out= form, bound like any call, whose `out` argument reads
-// that register; an allocation has no out= form: the slot's tensor is the result. If the out=
-// form fails, the plain call runs and raises its own error, if any. The slot and CallOp types
-// are in call_op.h; the calls made without the dispatcher are in inline_ops.h.
+// unpacking a multi-output return (several returns, or one list) in order.
 
 #pragma once
 
-#include "inline_ops.h"
+#include "call_op.h"
+
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -82,7 +77,7 @@ inline Accept accept_for(const c10::TypePtr& type) {
   }
 }
 
-inline bool accepts(const Slot& s, const IValue& v) {
+inline bool accepts(const BoundArg& s, const IValue& v) {
   if (s.optional && v.isNone()) {
     return true;
   }
@@ -122,84 +117,84 @@ inline c10::TypePtr without_optional(const c10::TypePtr& type) {
 }
 
 // The list-literal kind for a list argument with element type `elem`, or TREE.
-inline Slot::Kind list_kind(const c10::TypePtr& elem) {
+inline BoundArg::Kind list_kind(const c10::TypePtr& elem) {
   switch (elem->kind()) {
     case c10::TypeKind::TensorType:
-      return Slot::TENSOR_LIST;
+      return BoundArg::TENSOR_LIST;
     case c10::TypeKind::IntType:
     case c10::TypeKind::SymIntType:
-      return Slot::INT_LIST;
+      return BoundArg::INT_LIST;
     case c10::TypeKind::OptionalType:
-      return without_optional(elem)->kind() == c10::TypeKind::TensorType ? Slot::OPT_TENSOR_LIST
-                                                                          : Slot::TREE;
+      return without_optional(elem)->kind() == c10::TypeKind::TensorType ? BoundArg::OPT_TENSOR_LIST
+                                                                          : BoundArg::TREE;
     default:
-      return Slot::TREE;
+      return BoundArg::TREE;
   }
 }
 
-// Slot i of `schema` for the argument value `value` (borrowed). False if it cannot be bound.
-inline bool bind_slot(
+// Argument i of `schema` for the argument value `value` (borrowed). False if it cannot be bound.
+inline bool bind_arg(
     const c10::FunctionSchema& schema,
     size_t i,
     PyObject* value,
     const RefReader& refs,
-    Slot& slot) {
+    BoundArg& arg) {
   const c10::TypePtr& type = schema.arguments()[i].real_type();
-  slot.position = i;
+  arg.position = i;
   if (!refs.contains_ref(value)) {
     try {
-      slot.value = torch::jit::argumentToIValue(schema, i, value);
+      arg.value = torch::jit::argumentToIValue(schema, i, value);
     } catch (const std::exception&) {
       PyErr_Clear();
       return false;  // the call raises at run time; a Python fallback reproduces the error
     }
     return true;
   }
-  slot.optional = type->kind() == c10::TypeKind::OptionalType;
-  slot.accept = accept_for(without_optional(type));
-  slot.tree.emplace(value, refs);
+  arg.optional = type->kind() == c10::TypeKind::OptionalType;
+  arg.accept = accept_for(without_optional(type));
+  arg.tree.emplace(value, refs);
   if (refs.is_ref(value)) {
-    slot.kind = Slot::REG;
-    slot.reg = refs.id(value);
+    arg.kind = BoundArg::REG;
+    arg.reg = refs.id(value);
     return true;
   }
-  slot.kind = Slot::TREE;
+  arg.kind = BoundArg::TREE;
   auto list_type = without_optional(type)->cast<c10::ListType>();
   if (!list_type || !(PyList_Check(value) || PyTuple_Check(value))) {
     return true;
   }
   const c10::TypePtr& elem = list_type->getElementType();
-  Slot::Kind kind = list_kind(elem);
-  if (kind == Slot::TREE) {
+  BoundArg::Kind kind = list_kind(elem);
+  if (kind == BoundArg::TREE) {
     return true;
   }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* x = PySequence_Fast_GET_ITEM(value, k);
-    Item item;
+    ListItem item;
     if (refs.is_ref(x)) {
       item.reg = refs.id(x);
     } else if (refs.contains_ref(x)) {
-      slot.items.clear();  // a nested list: the slow path's
+      arg.items.clear();  // a nested list: the slow path's
       return true;
     } else {
       try {
         item.value = torch::jit::toIValue(x, elem);
       } catch (const std::exception&) {
         PyErr_Clear();
-        slot.items.clear();  // the slow path raises torch.ops' own error at run time
+        arg.items.clear();  // the slow path raises torch.ops' own error at run time
         return true;
       }
     }
-    slot.items.push_back(std::move(item));
+    arg.items.push_back(std::move(item));
   }
-  slot.kind = kind;
+  arg.kind = kind;
   return true;
 }
 
-// Resolve a Program Call. nullopt when the op is not in the dispatcher or the call does not bind
-// to its schema: the caller then runs it as a Python call, which fails (or not) exactly as the
-// Python loop does.
+// Resolve a Program Call. nullopt, with `why` set, when the op is not in the dispatcher or the
+// call does not bind to its schema: the compiled loop then demotes it to a Python call, which
+// fails (or not) exactly as the Python loop does.
 inline std::optional<CallOp> bind_call(
     const std::string& name,
     const std::string& overload,
@@ -207,15 +202,18 @@ inline std::optional<CallOp> bind_call(
     PyObject* kwargs,
     const std::vector<int64_t>& outputs,
     bool multi,
-    const RefReader& refs) {
+    const RefReader& refs,
+    std::string& why) {
   auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
   if (!handle.has_value()) {
+    why = "no dispatcher op " + name + (overload.empty() ? "" : "." + overload);
     return std::nullopt;
   }
   const c10::FunctionSchema& schema = handle->schema();
   const auto& params = schema.arguments();
   size_t n_args = static_cast<size_t>(PyTuple_GET_SIZE(args));
   if (schema.is_vararg() || n_args > params.size()) {
+    why = "more arguments than the schema takes";
     return std::nullopt;
   }
   CallOp call{*handle, {}, outputs, schema.returns().size(), multi};
@@ -227,6 +225,7 @@ inline std::optional<CallOp> bind_call(
     PyObject* value = nullptr;  // borrowed
     if (i < n_args) {
       if (param.kwarg_only()) {
+        why = "positional value for keyword-only argument " + param.name();
         return std::nullopt;
       }
       value = PyTuple_GET_ITEM(args, i);
@@ -234,35 +233,36 @@ inline std::optional<CallOp> bind_call(
       value = PyDict_GetItemString(kwargs, param.name().c_str());
       kwargs_used += value != nullptr;
     }
-    Slot slot;
+    BoundArg arg;
     if (value != nullptr) {
-      if (!bind_slot(schema, i, value, refs, slot)) {
+      if (!bind_arg(schema, i, value, refs, arg)) {
+        why = "constant for argument " + param.name() + " does not convert to its schema type";
         return std::nullopt;
       }
     } else if (param.default_value().has_value()) {
-      slot.position = i;
-      slot.value = *param.default_value();
+      arg.position = i;
+      arg.value = *param.default_value();
     } else {
+      why = "no value for argument " + param.name();
       return std::nullopt;
     }
-    call.slots.push_back(std::move(slot));
+    call.args.push_back(std::move(arg));
   }
   if (kwargs_used != PyDict_GET_SIZE(kwargs)) {
+    why = "a keyword argument the schema does not have";
     return std::nullopt;
   }
-  bind_reinterpret(call);
-  bind_empty_strided(call);
   return call;
 }
 
-inline const IValue& item_value(const Item& item, const std::vector<IValue>& regs) {
+inline const IValue& item_value(const ListItem& item, const std::vector<IValue>& regs) {
   return item.reg < 0 ? item.value : regs[static_cast<size_t>(item.reg)];
 }
 
-inline std::optional<IValue> tensor_list(const Slot& slot, const std::vector<IValue>& regs) {
+inline std::optional<IValue> tensor_list(const BoundArg& arg, const std::vector<IValue>& regs) {
   c10::List<at::Tensor> list;
-  list.reserve(slot.items.size());
-  for (const Item& item : slot.items) {
+  list.reserve(arg.items.size());
+  for (const ListItem& item : arg.items) {
     const IValue& v = item_value(item, regs);
     if (!v.isTensor()) {
       return std::nullopt;
@@ -273,11 +273,11 @@ inline std::optional<IValue> tensor_list(const Slot& slot, const std::vector<IVa
 }
 
 inline std::optional<IValue> optional_tensor_list(
-    const Slot& slot,
+    const BoundArg& arg,
     const std::vector<IValue>& regs) {
   c10::List<std::optional<at::Tensor>> list;
-  list.reserve(slot.items.size());
-  for (const Item& item : slot.items) {
+  list.reserve(arg.items.size());
+  for (const ListItem& item : arg.items) {
     const IValue& v = item_value(item, regs);
     if (v.isTensor()) {
       list.push_back(v.toTensor());
@@ -291,9 +291,9 @@ inline std::optional<IValue> optional_tensor_list(
 }
 
 // Like torch.ops: an int list when every element is concrete, a SymInt list otherwise.
-inline std::optional<IValue> int_list(const Slot& slot, const std::vector<IValue>& regs) {
+inline std::optional<IValue> int_list(const BoundArg& arg, const std::vector<IValue>& regs) {
   bool symbolic = false;
-  for (const Item& item : slot.items) {
+  for (const ListItem& item : arg.items) {
     const IValue& v = item_value(item, regs);
     if (v.isSymInt()) {
       symbolic = true;
@@ -303,30 +303,30 @@ inline std::optional<IValue> int_list(const Slot& slot, const std::vector<IValue
   }
   if (!symbolic) {
     c10::List<int64_t> list;
-    list.reserve(slot.items.size());
-    for (const Item& item : slot.items) {
+    list.reserve(arg.items.size());
+    for (const ListItem& item : arg.items) {
       list.push_back(item_value(item, regs).toInt());
     }
     return IValue(std::move(list));
   }
   std::vector<c10::SymInt> list;
-  list.reserve(slot.items.size());
-  for (const Item& item : slot.items) {
+  list.reserve(arg.items.size());
+  for (const ListItem& item : arg.items) {
     list.push_back(item_value(item, regs).toSymInt());
   }
   return IValue(std::move(list));
 }
 
-// The slot's argument as torch.ops converts its Python form: for what the checks do not accept.
+// The argument as torch.ops converts its Python form: for what the checks do not accept.
 inline IValue convert_in_python(
     const CallOp& call,
-    const Slot& slot,
+    const BoundArg& arg,
     const std::vector<IValue>& regs,
     GilState& gil) {
   gil.acquire();
-  py::object value = slot.tree->build(regs);
+  py::object value = arg.tree->build(regs);
   torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(call.numbers_as_tensors);
-  return torch::jit::argumentToIValue(call.op.schema(), slot.position, value);
+  return torch::jit::argumentToIValue(call.op.schema(), arg.position, value);
 }
 
 inline void push_arguments(
@@ -334,36 +334,36 @@ inline void push_arguments(
     const std::vector<IValue>& regs,
     Stack& stack,
     GilState& gil) {
-  for (const Slot& slot : call.slots) {
+  for (const BoundArg& arg : call.args) {
     std::optional<IValue> list;
-    switch (slot.kind) {
-      case Slot::CONST:
-        stack.push_back(slot.value);
+    switch (arg.kind) {
+      case BoundArg::CONST:
+        stack.push_back(arg.value);
         continue;
-      case Slot::REG: {
-        const IValue& v = regs[static_cast<size_t>(slot.reg)];
-        if (accepts(slot, v)) {
+      case BoundArg::REG: {
+        const IValue& v = regs[static_cast<size_t>(arg.reg)];
+        if (accepts(arg, v)) {
           stack.push_back(v);
           continue;
         }
         break;
       }
-      case Slot::TENSOR_LIST:
-        list = tensor_list(slot, regs);
+      case BoundArg::TENSOR_LIST:
+        list = tensor_list(arg, regs);
         break;
-      case Slot::OPT_TENSOR_LIST:
-        list = optional_tensor_list(slot, regs);
+      case BoundArg::OPT_TENSOR_LIST:
+        list = optional_tensor_list(arg, regs);
         break;
-      case Slot::INT_LIST:
-        list = int_list(slot, regs);
+      case BoundArg::INT_LIST:
+        list = int_list(arg, regs);
         break;
-      case Slot::TREE:
+      case BoundArg::TREE:
         break;
     }
     if (list.has_value()) {
       stack.push_back(std::move(*list));
     } else {
-      stack.push_back(convert_in_python(call, slot, regs, gil));
+      stack.push_back(convert_in_python(call, arg, regs, gil));
     }
   }
 }
@@ -406,37 +406,7 @@ inline void store_returns(const CallOp& call, std::vector<IValue>& regs, Stack& 
   }
 }
 
-inline void run_call(
-    const CallOp& call,
-    std::vector<IValue>& regs,
-    Stack& stack,
-    GilState& gil,
-    const Arena* arena) {
-  if (arena != nullptr && call.arena_slot >= 0) {
-    regs[static_cast<size_t>(call.outputs[0])] = (*arena)[static_cast<size_t>(call.arena_slot)];
-    if (call.out_call == nullptr) {
-      return;
-    }
-    try {
-      run_call(*call.out_call, regs, stack, gil, nullptr);
-      return;
-    } catch (const std::exception&) {
-      // The plain call below runs it instead, and raises its own error if any.
-    }
-  }
-  if (call.reinterpret_sizes.has_value() && run_reinterpret(call, regs)) {
-    return;
-  }
-  if (call.empty_strided.has_value() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
-      !fills_uninitialized_memory()) {
-    const CallOp::EmptyStrided& e = *call.empty_strided;
-    regs[static_cast<size_t>(call.outputs[0])] = at::Tensor(at::detail::empty_strided_cpu(
-        e.sizes, e.strides, e.dtype, e.layout, e.device, e.pin_memory));
-    return;
-  }
-  if (arena != nullptr && call.view != CallOp::View::NONE && run_inline_view(call, regs)) {
-    return;
-  }
+inline void run_call(const CallOp& call, std::vector<IValue>& regs, Stack& stack, GilState& gil) {
   stack.clear();
   push_arguments(call, regs, stack, gil);
   {

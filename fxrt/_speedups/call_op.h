@@ -1,6 +1,8 @@
-// The data of a CALL instruction bound natively (call.h binds and runs it): the boxed argument
-// slots, the CallOp with its optional arena and inline forms, and the GIL state the loop threads
-// through calls.
+// The data of the compiled loop's instructions, one struct per kind of fxrt/exec/program.py:
+// CallOp (CALL, and the plain form every other kind falls back to), OutOp (OUT), AllocOp
+// (ALLOC), ViewOp (VIEW), SymOp (SYM) and PyCallOp (PYCALL, and every instruction's Python form).
+// call.h binds and runs a CallOp, inline_ops.h the ALLOC and VIEW forms, sym.h the SYM steps,
+// pycall.h the Python calls; loop.h switches on the kind.
 
 #pragma once
 
@@ -9,14 +11,15 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fxrt {
 
 using Stack = std::vector<IValue>;
+using Arena = std::vector<at::Tensor>;
 
 // The GIL, released while native instructions run (when enabled) and taken back on demand.
 class GilState {
@@ -43,7 +46,7 @@ class GilState {
   PyThreadState* saved_ = nullptr;
 };
 
-// Which register values a REG slot passes to the op as they are.
+// Which register values a REG argument passes to the op as they are.
 enum class Accept : uint8_t {
   TENSOR,
   INT,
@@ -58,12 +61,13 @@ enum class Accept : uint8_t {
   NEVER,  // always convert through Python
 };
 
-struct Item {  // one element of a list literal: a register, or a constant when reg < 0
+struct ListItem {  // one element of a list literal: a register, or a constant when reg < 0
   int64_t reg = -1;
   IValue value;
 };
 
-struct Slot {
+// One schema argument of a bound call: how its boxed stack entry is made per call.
+struct BoundArg {
   enum Kind : uint8_t { CONST, REG, TENSOR_LIST, OPT_TENSOR_LIST, INT_LIST, TREE };
   Kind kind = CONST;
   Accept accept = Accept::NEVER;
@@ -71,38 +75,69 @@ struct Slot {
   int64_t reg = -1;
   size_t position = 0;  // index in the schema's arguments, for the slow path
   IValue value;
-  std::vector<Item> items;
+  std::vector<ListItem> items;
   std::optional<Tree> tree;  // the argument as the Program has it: the slow path's input
 };
 
+// CALL: an op through the dispatcher.
 struct CallOp {
   c10::OperatorHandle op;
-  std::vector<Slot> slots;
+  std::vector<BoundArg> args;
   std::vector<int64_t> outputs;
   size_t n_returns = 0;
   bool multi = false;
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
-  int64_t arena_slot = -1;  // the result's arena slot, or -1
-  std::shared_ptr<const CallOp> out_call;  // writes the slot; null: the slot is the result
-  // fxrt::reinterpret_tensor with constant sizes, strides and offset: made inline.
-  std::optional<std::vector<int64_t>> reinterpret_sizes, reinterpret_strides;
-  int64_t reinterpret_offset = 0;
-  // A view made inline on calls without autograd (fxrt/exec/arena.py: inline_views), with its
-  // constant arguments: view's sizes or permute's dims in `view_ints`, transpose's dims.
-  enum class View : uint8_t { NONE, VIEW, T, TRANSPOSE, PERMUTE } view = View::NONE;
-  std::vector<int64_t> view_ints;
-  int64_t view_dim0 = 0, view_dim1 = 0;
-  // aten::empty_strided on the CPU with constant arguments: allocated inline.
-  struct EmptyStrided {
-    std::vector<int64_t> sizes, strides;
-    std::optional<at::ScalarType> dtype;
-    std::optional<at::Layout> layout;
-    std::optional<at::Device> device;
-    std::optional<bool> pin_memory;
-  };
-  std::optional<EmptyStrided> empty_strided;
 };
 
-using Arena = std::vector<at::Tensor>;
+// OUT: with an arena, the result register gets slot `slot`'s tensor and `out` (the out= form,
+// whose `out` argument reads that register) writes it; without an arena, `call`.
+struct OutOp {
+  CallOp call;
+  CallOp out;
+  int64_t slot = -1;
+};
+
+// ALLOC: with an arena and a slot, the slot's tensor is the result; else `cpu` (a constant CPU
+// empty_strided made directly) when set; else `call`.
+struct AllocOp {
+  struct CpuEmpty {
+    std::vector<int64_t> sizes, strides;
+    std::optional<at::ScalarType> dtype;
+  };
+  CallOp call;
+  int64_t slot = -1;
+  std::optional<CpuEmpty> cpu;
+};
+
+// VIEW: a view made inline from the input register `self` (see inline_ops.h); `call` otherwise.
+struct ViewOp {
+  enum class Kind : uint8_t { VIEW, T, TRANSPOSE, PERMUTE, REINTERPRET };
+  CallOp call;
+  Kind kind = Kind::VIEW;
+  bool always = false;  // on every call; else only on calls with an arena
+  int64_t self = -1;
+  std::vector<int64_t> ints, strides;  // sizes, dims; reinterpret's strides
+  int64_t offset = 0;  // reinterpret: added to the input's storage offset
+};
+
+// PYCALL, and the Python form of every other kind (what a call __torch_function__ must see
+// runs, and what a SYM step on non-integers runs).
+struct PyCallOp {
+  py::object fn;
+  std::vector<Tree> args;
+  py::object const_kwargs;  // a dict of the constant kwargs, or None when there are none
+  std::vector<std::pair<py::object, Tree>> kwargs;  // kwargs that read registers
+  std::vector<int64_t> outputs;
+  bool multi = false;
+};
+
+// SYM: outputs = op(args) on int64, Python's semantics; `py` when an operand is not an int or
+// the result would not fit.
+struct SymOp {
+  enum class Kind : uint8_t { ADD, SUB, MUL, FLOORDIV, MOD, NEG, EQ, NE, LT, LE, GT, GE, MAX, MIN };
+  Kind kind = Kind::ADD;
+  std::vector<ListItem> args;
+  int64_t output = -1;
+};
 
 }  // namespace fxrt

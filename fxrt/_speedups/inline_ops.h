@@ -1,8 +1,9 @@
-// Calls the compiled loop makes without the dispatcher, each exactly as the op's own CPU kernel
-// would: reinterpret_tensor, CPU empty_strided, and (on calls that use the arena, so
-// autograd records nothing) views only read inside the graph. Each falls back to the dispatcher
-// when a dispatch mode, a subclass or a functional tensor would route the call elsewhere, or when
-// its arguments are not what it handles; the op then runs (and fails) as it would anyway.
+// The ALLOC and VIEW instructions' forms that need no dispatcher, each made exactly as the op's
+// own CPU kernel would: a constant CPU empty_strided, and views (reinterpret_tensor on every call;
+// view, t, transpose, permute on calls that use the arena, so autograd records nothing). lower()
+// chose them (fxrt/exec/program.py); each returns false when a dispatch mode, a subclass or a
+// functional tensor would route the call elsewhere, or when the actual input is not what it
+// handles, and the loop then runs the plain call, which behaves (and fails) as it would anyway.
 
 #pragma once
 
@@ -83,48 +84,6 @@ inline bool within_storage(
       end <= static_cast<int64_t>(self.storage().nbytes());
 }
 
-// fxrt::reinterpret_tensor (fxrt/ops/reinterpret.py), Inductor's reinterpret_tensor with a view
-// schema: a new TensorImpl on the same storage, the offset an increment of self's; no view
-// tracking, as in Inductor's own Python wrapper (torch/csrc/inductor/inductor_ops.cpp). Its
-// dispatcher round trip costs several times the alias itself (fxrt's Inductor host graphs make
-// one per weight and buffer view), so a call with constant geometry is made inline.
-inline void bind_reinterpret(CallOp& call) {
-  const c10::FunctionSchema& schema = call.op.schema();
-  if (schema.name() != "fxrt::reinterpret_tensor" || !schema.overload_name().empty() ||
-      call.slots.size() != 4 || call.slots[0].kind != Slot::REG) {
-    return;
-  }
-  const IValue& sizes = call.slots[1].value;
-  const IValue& strides = call.slots[2].value;
-  const IValue& offset = call.slots[3].value;
-  if (call.slots[1].kind != Slot::CONST || call.slots[2].kind != Slot::CONST ||
-      call.slots[3].kind != Slot::CONST || !sizes.isIntList() || !strides.isIntList() ||
-      !offset.isInt()) {
-    return;
-  }
-  call.reinterpret_sizes = sizes.toIntVector();
-  call.reinterpret_strides = strides.toIntVector();
-  call.reinterpret_offset = offset.toInt();
-}
-
-// The inline reinterpret_tensor; false when the dispatcher would route the call anywhere but the
-// op's own kernel (a TorchDispatchMode, a subclass or functional tensor) or the register does
-// not hold a plain strided tensor: the dispatcher then runs the op.
-inline bool run_reinterpret(const CallOp& call, std::vector<IValue>& regs) {
-  const IValue& v = regs[static_cast<size_t>(call.slots[0].reg)];
-  if (!plain_tensor(v)) {
-    return false;
-  }
-  const at::Tensor& self = v.toTensor();
-  const int64_t offset = self.storage_offset() + call.reinterpret_offset;
-  if (!within_storage(self, *call.reinterpret_sizes, *call.reinterpret_strides, offset)) {
-    return false;  // as_strided raises its own error
-  }
-  regs[static_cast<size_t>(call.outputs[0])] = raw_alias(
-      self, *call.reinterpret_sizes, *call.reinterpret_strides, offset);
-  return true;
-}
-
 // torch.use_deterministic_algorithms(True) with fill_uninitialized_memory: new tensors are
 // filled (NaN), which only the dispatcher's empty_strided does and no reused arena slot is.
 inline bool fills_uninitialized_memory() {
@@ -132,80 +91,58 @@ inline bool fills_uninitialized_memory() {
       at::globalContext().deterministicFillUninitializedMemory();
 }
 
-// aten::empty_strided's CPU kernel is at::detail::empty_strided_cpu; a call with constant
-// arguments for the CPU makes its tensor directly, as Inductor's own empty_strided_cpu helper
-// does, instead of through the dispatcher (about 1 us less per allocation).
-inline void bind_empty_strided(CallOp& call) {
-  const c10::FunctionSchema& schema = call.op.schema();
-  if (schema.name() != "aten::empty_strided" || !schema.overload_name().empty() ||
-      call.slots.size() != 6) {
-    return;
+// ALLOC's cpu form: aten::empty_strided's CPU kernel is at::detail::empty_strided_cpu; made
+// directly, as Inductor's own empty_strided_cpu helper does (about 1 us less per allocation).
+inline bool run_cpu_empty(const AllocOp& alloc, std::vector<IValue>& regs) {
+  if (!alloc.cpu.has_value() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+      fills_uninitialized_memory()) {
+    return false;
   }
-  for (const Slot& slot : call.slots) {
-    if (slot.kind != Slot::CONST) {
-      return;
+  const AllocOp::CpuEmpty& e = *alloc.cpu;
+  regs[static_cast<size_t>(alloc.call.outputs[0])] = at::Tensor(at::detail::empty_strided_cpu(
+      e.sizes, e.strides, e.dtype, std::nullopt, std::nullopt, std::nullopt));
+  return true;
+}
+
+// The cpu form of an ALLOC whose plain call is a constant empty_strided (lower() checked the
+// arguments: non-negative sizes and strides, CPU, strided, no pinned memory); false if the bound
+// arguments are not those.
+inline bool bind_cpu_empty(AllocOp& alloc) {
+  const auto& args = alloc.call.args;
+  if (args.size() != 6) {
+    return false;
+  }
+  for (const BoundArg& arg : args) {
+    if (arg.kind != BoundArg::CONST) {
+      return false;
     }
   }
-  const auto& v = [&](size_t i) -> const IValue& { return call.slots[i].value; };
-  if (!v(0).isIntList() || !v(1).isIntList()) {
-    return;
+  if (!args[0].value.isIntList() || !args[1].value.isIntList()) {
+    return false;
   }
-  CallOp::EmptyStrided e{v(0).toIntVector(), v(1).toIntVector()};
-  if (e.sizes.size() != e.strides.size() ||
-      std::any_of(e.sizes.begin(), e.sizes.end(), [](int64_t s) { return s < 0; }) ||
-      std::any_of(e.strides.begin(), e.strides.end(), [](int64_t s) { return s < 0; })) {
-    return;  // the dispatcher raises the op's own error
-  }
-  e.dtype = v(2).toOptional<at::ScalarType>();
-  e.layout = v(3).toOptional<at::Layout>();
-  e.device = v(4).toOptional<at::Device>();
-  e.pin_memory = v(5).toOptional<bool>();
-  if ((e.device.has_value() && !e.device->is_cpu()) ||
-      (e.layout.has_value() && *e.layout != c10::kStrided)) {
-    return;
-  }
-  call.empty_strided = std::move(e);
+  alloc.cpu = AllocOp::CpuEmpty{
+      args[0].value.toIntVector(), args[1].value.toIntVector(),
+      args[2].value.toOptional<at::ScalarType>()};
+  return true;
 }
 
-// Mark `call` as an inline view if its op is one and its other arguments are constants.
-inline void bind_inline_view(CallOp& call) {
-  const c10::FunctionSchema& schema = call.op.schema();
-  const std::string& name = schema.name();
-  const std::string& overload = schema.overload_name();
-  const auto& slots = call.slots;
-  if (slots.empty() || slots[0].kind != Slot::REG || call.multi) {
-    return;
-  }
-  auto const_ints = [&](size_t i) {
-    return slots.size() > i && slots[i].kind == Slot::CONST && slots[i].value.isIntList();
-  };
-  auto const_int = [&](size_t i) {
-    return slots.size() > i && slots[i].kind == Slot::CONST && slots[i].value.isInt();
-  };
-  if ((name == "aten::view" || name == "aten::_unsafe_view") && overload.empty() &&
-      const_ints(1)) {
-    call.view = CallOp::View::VIEW;
-    call.view_ints = slots[1].value.toIntVector();
-  } else if (name == "aten::permute" && overload.empty() && const_ints(1)) {
-    call.view = CallOp::View::PERMUTE;
-    call.view_ints = slots[1].value.toIntVector();
-  } else if (name == "aten::t" && overload.empty()) {
-    call.view = CallOp::View::T;
-  } else if (name == "aten::transpose" && overload == "int" && const_int(1) && const_int(2)) {
-    call.view = CallOp::View::TRANSPOSE;
-    call.view_dim0 = slots[1].value.toInt();
-    call.view_dim1 = slots[2].value.toInt();
-  }
-}
-
-// The inline view; false when the dispatcher must run the op (not a plain tensor, a view the
-// sizes cannot express, a dimension out of range: it then raises the op's own error).
-inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
-  const IValue& v = regs[static_cast<size_t>(call.slots[0].reg)];
+// A VIEW; false when the plain call must run it (not a plain tensor, a view the sizes cannot
+// express, a dimension out of range: it then raises the op's own error).
+inline bool run_view(const ViewOp& view, std::vector<IValue>& regs) {
+  const IValue& v = regs[static_cast<size_t>(view.self)];
   if (!plain_tensor(v)) {
     return false;
   }
   const at::Tensor& self = v.toTensor();
+  const size_t out = static_cast<size_t>(view.call.outputs[0]);
+  if (view.kind == ViewOp::Kind::REINTERPRET) {  // fxrt::reinterpret_tensor: no view tracking
+    const int64_t offset = self.storage_offset() + view.offset;
+    if (!within_storage(self, view.ints, view.strides, offset)) {
+      return false;  // as_strided raises its own error
+    }
+    regs[out] = raw_alias(self, view.ints, view.strides, offset);
+    return true;
+  }
   const int64_t ndim = self.dim();
   c10::DimVector sizes(self.sizes().begin(), self.sizes().end());
   c10::DimVector strides(self.strides().begin(), self.strides().end());
@@ -216,11 +153,11 @@ inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
     }
     return d < 0 ? d + n : d;
   };
-  switch (call.view) {
-    case CallOp::View::NONE:
+  switch (view.kind) {
+    case ViewOp::Kind::REINTERPRET:
       return false;
-    case CallOp::View::VIEW: {
-      at::DimVector shape = at::infer_size_dv(call.view_ints, self.numel());
+    case ViewOp::Kind::VIEW: {
+      at::DimVector shape = at::infer_size_dv(view.ints, self.numel());
       std::optional<at::DimVector> st = at::detail::computeStride(self.sizes(), self.strides(), shape);
       if (!st.has_value()) {
         return false;
@@ -229,16 +166,17 @@ inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
       strides.assign(st->begin(), st->end());
       break;
     }
-    case CallOp::View::T:
-    case CallOp::View::TRANSPOSE: {
-      if (call.view == CallOp::View::T && ndim > 2) {
+    case ViewOp::Kind::T:
+    case ViewOp::Kind::TRANSPOSE: {
+      const bool t = view.kind == ViewOp::Kind::T;
+      if ((t && ndim > 2) || (!t && view.ints.size() != 2)) {
         return false;
       }
       if (ndim < 2) {
         break;  // t and transpose of a 0-d or 1-d tensor alias it as it is
       }
-      std::optional<int64_t> a = call.view == CallOp::View::T ? 0 : wrap(call.view_dim0);
-      std::optional<int64_t> b = call.view == CallOp::View::T ? 1 : wrap(call.view_dim1);
+      std::optional<int64_t> a = t ? 0 : wrap(view.ints[0]);
+      std::optional<int64_t> b = t ? 1 : wrap(view.ints[1]);
       if (!a.has_value() || !b.has_value()) {
         return false;
       }
@@ -246,13 +184,13 @@ inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
       std::swap(strides[*a], strides[*b]);
       break;
     }
-    case CallOp::View::PERMUTE: {
-      if (static_cast<int64_t>(call.view_ints.size()) != ndim) {
+    case ViewOp::Kind::PERMUTE: {
+      if (static_cast<int64_t>(view.ints.size()) != ndim) {
         return false;
       }
       std::vector<bool> seen(static_cast<size_t>(ndim), false);
       for (int64_t i = 0; i < ndim; ++i) {
-        std::optional<int64_t> d = wrap(call.view_ints[static_cast<size_t>(i)]);
+        std::optional<int64_t> d = wrap(view.ints[static_cast<size_t>(i)]);
         if (!d.has_value() || seen[static_cast<size_t>(*d)]) {
           return false;
         }
@@ -263,8 +201,7 @@ inline bool run_inline_view(const CallOp& call, std::vector<IValue>& regs) {
       break;
     }
   }
-  regs[static_cast<size_t>(call.outputs[0])] =
-      raw_alias(self, sizes, strides, self.storage_offset());
+  regs[out] = raw_alias(self, sizes, strides, self.storage_offset());
   return true;
 }
 

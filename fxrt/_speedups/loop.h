@@ -2,30 +2,38 @@
 // c10::IValue, with the same semantics as the Python loop (fxrt/exec/interp.py).
 //
 // The Executor is built once, instruction by instruction in program order (so an instruction's
-// index is the same as in the Program): CALLs bound natively (call.h), PYCALLs that call back into
-// Python, FREEs. It is immutable afterwards, so any number of threads may run it at once.
+// index is the same as in the Program), one add_* method per instruction kind: CALL (call.h), OUT,
+// ALLOC and VIEW (their arena and inline forms in inline_ops.h, their plain form a CALL), SYM
+// (sym.h), PYCALL (pycall.h) and FREE. Every kind but FREE also gets its Python form, the call
+// torch.ops would make. An add_* method that cannot bind its instruction adds nothing and returns
+// why; fxrt/exec/native.py then adds the demoted instruction and writes the demotion back into
+// the Program. The Executor is immutable afterwards, so any number of threads may run it at once.
 //
-// run() makes a fresh register file per call, preloads the Program's constants, converts the
-// inputs, and walks the instructions with one reused stack: a CALL calls callBoxed, a PYCALL
-// converts its registers to Python objects, calls the callable and converts the result back, a
-// FREE resets registers. The GIL is released around runs of native instructions, as torch.ops
-// does around each op, and taken back for fallbacks, slow-path conversions, errors and the
-// outputs. Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error -> RuntimeError and
-// friends, C++ warnings -> Python warnings); on failure the register file and the failing
-// instruction go back to the caller, which builds the ExecutionError the Python loop raises.
+// run() makes a fresh register file per call, preloads the Program's constants, converts and
+// checks the inputs (inputs.h), and walks the instructions with one reused stack, switching on
+// their kind. The GIL is released around runs of native instructions, as torch.ops does around
+// each op, and taken back for Python calls, slow-path conversions, errors and the outputs.
+// Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error -> RuntimeError and friends,
+// C++ warnings -> Python warnings); on failure the register file and the failing instruction go
+// back to the caller, which builds the error the Python loop raises (fxrt/errors.py).
 //
-// With an arena (fxrt/exec/arena.py), run() first decides, as PythonLoop.take_arena does, whether
-// this call may use one: not when autograd could record it (grad mode on and an input or constant
-// requires grad), when a TorchDispatchMode is active (it must see the graph's own ops), or when an
-// input's size or dtype differs from what the graph was compiled for.
-// It then takes an arena from the pool of its inference mode, or has the Python factory make one,
-// and puts it back after a successful run; a failed run drops it (the error may still hold views
-// of it).
+// Per call, the guards lower() computed (fxrt/exec/guards.py, whose Python twins the Python loop
+// runs) decide two things. A call that __torch_function__ must see (a TorchFunctionMode, a
+// subclass input that overrides it) runs every instruction's Python form, without the arena (a
+// separate instantiation of the loop, chosen once per call). A call may use the arena unless
+// autograd could record it (grad mode on and an input or constant requires grad), a
+// TorchDispatchMode is active (it must see the graph's own ops), new memory must be filled, or an
+// input's size or dtype differs from what the arena was planned for. It then takes an arena from
+// the pool of its inference mode, or has the Python factory make one, and puts it back after a
+// successful run; a failed run drops it (the error may still hold views of it).
 
 #pragma once
 
 #include "call.h"
+#include "inline_ops.h"
 #include "inputs.h"
+#include "pycall.h"
+#include "sym.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
@@ -50,28 +58,18 @@ namespace fxrt {
 
 using Registers = std::vector<IValue>;
 
-struct PyCallOp {
-  py::object fn;
-  std::vector<Tree> args;
-  py::object const_kwargs;  // a dict of the constant kwargs, or None when there are none
-  std::vector<std::pair<py::object, Tree>> kwargs;  // kwargs that read registers
-  std::vector<int64_t> outputs;
-  bool multi = false;
-};
-
 struct Instr {
-  enum Kind : uint8_t { CALL, PYCALL, FREE };
+  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE };
   Kind kind;
-  size_t index;  // into calls_, pycalls_ or frees_
+  size_t index;  // into calls_, outs_, allocs_, views_, syms_, forms_ (PYCALL) or frees_
 };
 
 // An input the arena requires to have the compiled size and dtype.
-struct InputGuard {
+struct ArenaInput {
   size_t reg;
   std::vector<int64_t> sizes;
   at::ScalarType dtype;
 };
-
 
 // Arenas not in use, one pool per inference mode: an arena made in inference mode holds
 // inference tensors, which normal mode may not write.
@@ -135,67 +133,141 @@ class Executor {
   void add_free(const std::vector<int64_t>& regs) {
     code_.push_back({Instr::FREE, frees_.size()});
     frees_.push_back(regs);
+    forms_.emplace_back();
   }
 
-  // Bind a CALL natively; false (nothing added) when it cannot be (see bind_call).
-  bool add_call(
+  // CALL `name`.`overload`(*args, **kwargs) into `outputs`; `fn` is its Python form. Returns ""
+  // when added, else why it cannot be bound (nothing added).
+  std::string add_call(
+      PyObject* fn,
       PyObject* name,
       PyObject* overload,
       PyObject* args,
       PyObject* kwargs,
       const std::vector<int64_t>& outputs,
       bool multi) {
-    std::optional<CallOp> call = bind_call(
-        py::cast<std::string>(name), py::cast<std::string>(overload), args, kwargs, outputs, multi,
-        refs_);
+    std::string why;
+    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, multi, why);
     if (!call.has_value()) {
-      return false;
+      return why;
     }
-    max_stack_ = std::max({max_stack_, call->slots.size(), call->n_returns});
-    code_.push_back({Instr::CALL, calls_.size()});
+    push(Instr::CALL, calls_.size(), fn, args, kwargs, outputs, multi);
     calls_.push_back(std::move(*call));
-    return true;
+    return "";
   }
 
-  // Give the CALL just added arena slot `slot`, written by the call `out_name`.`out_overload`
-  // (`out_args`, `out_kwargs`) whose `out` reads the result register; `out_name` None: an
-  // allocation. False (the call stays plain) when the out= call cannot be bound.
-  bool set_arena_slot(
+  // OUT: the plain call, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
+  // writing arena slot `slot`.
+  std::string add_out(
+      PyObject* fn,
+      PyObject* name,
+      PyObject* overload,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
       int64_t slot,
       PyObject* out_name,
       PyObject* out_overload,
       PyObject* out_args,
       PyObject* out_kwargs) {
-    if (code_.empty() || code_.back().kind != Instr::CALL) {
-      return false;
+    std::string why;
+    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    if (!call.has_value()) {
+      return why;
     }
-    CallOp& call = calls_.at(code_.back().index);
-    if (call.multi) {
-      return false;
+    std::optional<CallOp> out =
+        bind(out_name, out_overload, out_args, out_kwargs, outputs, false, why);
+    if (!out.has_value()) {
+      return "out= form: " + why;
     }
-    if (out_name != Py_None) {
-      std::optional<CallOp> out = bind_call(
-          py::cast<std::string>(out_name), py::cast<std::string>(out_overload), out_args,
-          out_kwargs, call.outputs, false, refs_);
-      if (!out.has_value()) {
-        return false;
-      }
-      max_stack_ = std::max({max_stack_, out->slots.size(), out->n_returns});
-      call.out_call = std::make_shared<const CallOp>(std::move(*out));
-    }
-    call.arena_slot = slot;
-    return true;
+    push(Instr::OUT, outs_.size(), fn, args, kwargs, outputs, false);
+    outs_.push_back({std::move(*call), std::move(*out), slot});
+    return "";
   }
 
-  // Let the CALL just added be made inline as a view on calls with an arena (see
-  // bind_inline_view); false when it cannot be.
-  bool set_inline_view() {
-    if (code_.empty() || code_.back().kind != Instr::CALL) {
-      return false;
+  // ALLOC: arena slot `slot` (-1: none); with `cpu`, the plain call is a constant CPU
+  // empty_strided made directly.
+  std::string add_alloc(
+      PyObject* fn,
+      PyObject* name,
+      PyObject* overload,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      int64_t slot,
+      bool cpu) {
+    std::string why;
+    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    if (!call.has_value()) {
+      return why;
     }
-    CallOp& call = calls_.at(code_.back().index);
-    bind_inline_view(call);
-    return call.view != CallOp::View::NONE;
+    AllocOp alloc{std::move(*call), slot, std::nullopt};
+    if (cpu && !bind_cpu_empty(alloc)) {
+      return "empty_strided's arguments are not constants";
+    }
+    push(Instr::ALLOC, allocs_.size(), fn, args, kwargs, outputs, false);
+    allocs_.push_back(std::move(alloc));
+    return "";
+  }
+
+  // VIEW of kind `kind` (ViewOp::Kind) on the register the first argument reads.
+  std::string add_view(
+      PyObject* fn,
+      PyObject* name,
+      PyObject* overload,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      int64_t kind,
+      bool always,
+      const std::vector<int64_t>& ints,
+      const std::vector<int64_t>& strides,
+      int64_t offset) {
+    std::string why;
+    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    if (!call.has_value()) {
+      return why;
+    }
+    if (call->args.empty() || call->args[0].kind != BoundArg::REG ||
+        kind > static_cast<int64_t>(ViewOp::Kind::REINTERPRET) || kind < 0) {
+      return "the view's input is not a register";
+    }
+    ViewOp view{std::move(*call), static_cast<ViewOp::Kind>(kind), always};
+    view.self = view.call.args[0].reg;
+    view.ints = ints;
+    view.strides = strides;
+    view.offset = offset;
+    push(Instr::VIEW, views_.size(), fn, args, kwargs, outputs, false);
+    views_.push_back(std::move(view));
+    return "";
+  }
+
+  // SYM step `kind` (SymOp::Kind) on `args` (registers or ints) into `output`; `fn` computes it
+  // in Python.
+  std::string add_sym(PyObject* fn, int64_t kind, PyObject* args, int64_t output) {
+    if (kind < 0 || kind > static_cast<int64_t>(SymOp::Kind::MIN)) {
+      return "unknown arithmetic step";
+    }
+    SymOp sym{static_cast<SymOp::Kind>(kind), {}, output};
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args, i);
+      ListItem item;
+      if (refs_.is_ref(a)) {
+        item.reg = refs_.id(a);
+      } else if (PyLong_CheckExact(a)) {
+        item.value = from_python(a);
+      } else {
+        return "an operand is neither a register nor an int";
+      }
+      sym.args.push_back(std::move(item));
+    }
+    if (sym.args.size() != (sym.kind == SymOp::Kind::NEG ? 1u : 2u)) {
+      return "wrong number of operands";
+    }
+    py::object kwargs = steal_or_throw(PyDict_New());
+    push(Instr::SYM, syms_.size(), fn, args, kwargs.ptr(), {output}, false);
+    syms_.push_back(std::move(sym));
+    return "";
   }
 
   void add_pycall(
@@ -204,48 +276,25 @@ class Executor {
       PyObject* kwargs,
       const std::vector<int64_t>& outputs,
       bool multi) {
-    PyCallOp call;
-    call.fn = py::reinterpret_borrow<py::object>(fn);
-    call.outputs = outputs;
-    call.multi = multi;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
-      PyObject* arg = PyTuple_GET_ITEM(args, i);
-      call.args.push_back(refs_.contains_ref(arg) ? Tree(arg, refs_) : Tree::constant(arg));
-    }
-    py::object consts = steal_or_throw(PyDict_New());
-    PyObject *key, *value;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(kwargs, &pos, &key, &value)) {
-      if (refs_.contains_ref(value)) {
-        call.kwargs.emplace_back(py::reinterpret_borrow<py::object>(key), Tree(value, refs_));
-      } else if (PyDict_SetItem(consts.ptr(), key, value) < 0) {
-        throw_python_error();
-      }
-    }
-    call.const_kwargs = PyDict_GET_SIZE(consts.ptr()) > 0 ? consts : py::none();
-    code_.push_back({Instr::PYCALL, pycalls_.size()});
-    pycalls_.push_back(std::move(call));
+    push(Instr::PYCALL, code_.size(), fn, args, kwargs, outputs, multi);
   }
 
-  // The arena: `factory()` makes one (a list of tensors, one per slot); `guards` are (input
-  // position, meta tensor with the compiled size and dtype) pairs; at most `max_idle` arenas per
-  // inference mode are kept between calls.
-  void set_arena(PyObject* factory, PyObject* guards, bool constants_need_grad, int64_t max_idle) {
+  // The arena: `factory()` makes one (a list of tensors, one per slot); at most `max_idle`
+  // arenas per inference mode are kept between calls.
+  void set_arena(PyObject* factory, int64_t max_idle) {
     arena_factory_ = py::reinterpret_borrow<py::object>(factory);
     pool_.set_max_idle(static_cast<size_t>(std::max<int64_t>(max_idle, 0)));
-    for (py::handle item : py::reinterpret_borrow<py::list>(guards)) {
-      auto pair = item.cast<py::tuple>();
-      size_t pos = pair[0].cast<size_t>();
-      const at::Tensor& meta = THPVariable_Unpack(pair[1].ptr());
-      guards_.push_back({static_cast<size_t>(inputs_.at(pos)), meta.sizes().vec(),
-                         meta.scalar_type()});
-    }
-    constants_need_grad_ = constants_need_grad;
   }
 
-  // The per-call input check: `specs` are (input position, meta tensor of the dtype, device
-  // string, sizes, strides) tuples; `on_mismatch(inputs)` returns the exception to raise.
-  void set_input_specs(PyObject* specs, PyObject* on_mismatch) {
+  // The Program's guards (fxrt/exec/guards.py): `specs` are (input position, meta tensor of the
+  // dtype, device string, sizes, strides) tuples and `on_mismatch(inputs)` returns the exception
+  // a mismatch raises; `arena_inputs` are (input position, meta tensor with the size and dtype
+  // the arena needs) pairs.
+  void set_guards(
+      PyObject* specs,
+      PyObject* on_mismatch,
+      PyObject* arena_inputs,
+      bool constants_need_grad) {
     on_mismatch_ = py::reinterpret_borrow<py::object>(on_mismatch);
     int64_t n_symbols = 0;
     for (py::handle item : py::reinterpret_borrow<py::list>(specs)) {
@@ -262,6 +311,13 @@ class Executor {
       input_specs_.push_back(std::move(spec));
     }
     n_symbols_ = static_cast<size_t>(n_symbols);
+    for (py::handle item : py::reinterpret_borrow<py::list>(arena_inputs)) {
+      auto pair = item.cast<py::tuple>();
+      const at::Tensor& meta = THPVariable_Unpack(pair[1].ptr());
+      arena_inputs_.push_back({static_cast<size_t>(inputs_.at(pair[0].cast<size_t>())),
+                               meta.sizes().vec(), meta.scalar_type()});
+    }
+    constants_need_grad_ = constants_need_grad;
   }
 
   // Free the idle arenas; calls still running keep theirs until they return.
@@ -271,22 +327,29 @@ class Executor {
   // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
   void set_names(const std::vector<std::string>& names) { names_ = names; }
 
-  // Run the program on `inputs` (a list or tuple). Returns the output (a new reference), or
+  // Run the program on `inputs` (a list or tuple); with `through_python`, every instruction's
+  // Python form (a call __torch_function__ must see). Returns the output (a new reference), or
   // nullptr with a Python error set; `failure` then names the instruction when one failed.
-  PyObject* run(PyObject* inputs, Failure& failure) const {
+  PyObject* run(PyObject* inputs, Failure& failure, bool through_python) const {
     HANDLE_TH_ERRORS
-    return run_checked<false>(inputs, failure, nullptr, false);
+    return through_python ? run_checked<false, true>(inputs, failure, nullptr, false)
+                          : run_checked<false, false>(inputs, failure, nullptr, false);
     END_HANDLE_TH_ERRORS
   }
 
   // The instrumented loop, for fxrt.profile(): like run(), and appends pc, start and end (ns,
-  // CLOCK_MONOTONIC like Python's perf_counter_ns) of every CALL and PYCALL to `timings`. With
-  // `ranges`, each runs inside an at::RecordFunction named after its node, so torch.profiler
-  // shows it. A separate instantiation: run() pays nothing for it.
+  // CLOCK_MONOTONIC like Python's perf_counter_ns) of every instruction but FREEs to `timings`.
+  // With `ranges`, each runs inside an at::RecordFunction named after its node, so
+  // torch.profiler shows it. A separate instantiation: run() pays nothing for it.
   PyObject* run_timed(
-      PyObject* inputs, Failure& failure, std::vector<int64_t>& timings, bool ranges) const {
+      PyObject* inputs,
+      Failure& failure,
+      std::vector<int64_t>& timings,
+      bool ranges,
+      bool through_python) const {
     HANDLE_TH_ERRORS
-    return run_checked<true>(inputs, failure, &timings, ranges);
+    return through_python ? run_checked<true, true>(inputs, failure, &timings, ranges)
+                          : run_checked<true, false>(inputs, failure, &timings, ranges);
     END_HANDLE_TH_ERRORS
   }
 
@@ -297,7 +360,37 @@ class Executor {
         .count();
   }
 
-  template <bool Timed>
+  std::optional<CallOp> bind(
+      PyObject* name,
+      PyObject* overload,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      bool multi,
+      std::string& why) {
+    std::optional<CallOp> call = bind_call(
+        py::cast<std::string>(name), py::cast<std::string>(overload), args, kwargs, outputs, multi,
+        refs_, why);
+    if (call.has_value()) {
+      max_stack_ = std::max({max_stack_, call->args.size(), call->n_returns});
+    }
+    return call;
+  }
+
+  // Appends an instruction and its Python form.
+  void push(
+      Instr::Kind kind,
+      size_t index,
+      PyObject* fn,
+      PyObject* args,
+      PyObject* kwargs,
+      const std::vector<int64_t>& outputs,
+      bool multi) {
+    forms_.push_back(bind_pycall(fn, args, kwargs, outputs, multi, refs_));
+    code_.push_back({kind, index});
+  }
+
+  template <bool Timed, bool Python>
   PyObject* run_checked(
       PyObject* inputs,
       Failure& failure,
@@ -324,17 +417,17 @@ class Executor {
       throw_python_error();
     }
     bool inference = c10::InferenceMode::is_enabled();
-    std::unique_ptr<Arena> arena = take_arena(regs, inference);
+    std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference);
     Stack stack;
     stack.reserve(max_stack_);
-    GilState gil(release_gil_);
+    GilState gil(release_gil_ && !Python);
     size_t pc = 0;
     try {
       for (; pc < code_.size(); ++pc) {
         const Instr& ins = code_[pc];
         if constexpr (Timed) {
           if (ins.kind == Instr::FREE) {
-            step(ins, regs, stack, gil, nullptr);
+            step<Python>(pc, regs, stack, gil, nullptr);
             continue;
           }
           std::optional<at::RecordFunction> range;
@@ -345,11 +438,11 @@ class Executor {
             }
           }
           int64_t t0 = now_ns();
-          step(ins, regs, stack, gil, arena.get());
+          step<Python>(pc, regs, stack, gil, arena.get());
           int64_t t1 = now_ns();
           timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
         } else {
-          step(ins, regs, stack, gil, arena.get());
+          step<Python>(pc, regs, stack, gil, arena.get());
         }
       }
     } catch (...) {
@@ -383,7 +476,7 @@ class Executor {
         }
       }
     }
-    for (const InputGuard& g : guards_) {
+    for (const ArenaInput& g : arena_inputs_) {
       const IValue& v = regs[g.reg];
       if (!v.isTensor() || v.toTensor().scalar_type() != g.dtype ||
           !v.toTensor().sizes().equals(g.sizes)) {
@@ -402,56 +495,69 @@ class Executor {
     return arena;
   }
 
-  void step(const Instr& ins, Registers& regs, Stack& stack, GilState& gil, const Arena* arena)
-      const {
+  template <bool Python>
+  void step(size_t pc, Registers& regs, Stack& stack, GilState& gil, const Arena* arena) const {
+    const Instr& ins = code_[pc];
+    if (ins.kind == Instr::FREE) {
+      for (int64_t r : frees_[ins.index]) {
+        regs[static_cast<size_t>(r)] = IValue();
+      }
+      return;
+    }
+    if constexpr (Python) {
+      run_pycall(forms_[pc], regs);
+      return;
+    }
     switch (ins.kind) {
       case Instr::CALL:
         gil.release();
-        run_call(calls_[ins.index], regs, stack, gil, arena);
-        break;
+        run_call(calls_[ins.index], regs, stack, gil);
+        return;
+      case Instr::OUT: {
+        gil.release();
+        const OutOp& op = outs_[ins.index];
+        if (arena != nullptr) {
+          regs[static_cast<size_t>(op.call.outputs[0])] = (*arena)[static_cast<size_t>(op.slot)];
+          try {
+            run_call(op.out, regs, stack, gil);
+            return;
+          } catch (const std::exception&) {
+            // The plain call below runs it instead, and raises its own error if any.
+          }
+        }
+        run_call(op.call, regs, stack, gil);
+        return;
+      }
+      case Instr::ALLOC: {
+        gil.release();
+        const AllocOp& op = allocs_[ins.index];
+        if (arena != nullptr && op.slot >= 0) {
+          regs[static_cast<size_t>(op.call.outputs[0])] = (*arena)[static_cast<size_t>(op.slot)];
+        } else if (!run_cpu_empty(op, regs)) {
+          run_call(op.call, regs, stack, gil);
+        }
+        return;
+      }
+      case Instr::VIEW: {
+        gil.release();
+        const ViewOp& op = views_[ins.index];
+        if (!((op.always || arena != nullptr) && run_view(op, regs))) {
+          run_call(op.call, regs, stack, gil);
+        }
+        return;
+      }
+      case Instr::SYM:
+        if (!run_sym(syms_[ins.index], regs)) {
+          gil.acquire();
+          run_pycall(forms_[pc], regs);
+        }
+        return;
       case Instr::PYCALL:
         gil.acquire();
-        run_pycall(pycalls_[ins.index], regs);
-        break;
+        run_pycall(forms_[pc], regs);
+        return;
       case Instr::FREE:
-        for (int64_t r : frees_[ins.index]) {
-          regs[static_cast<size_t>(r)] = IValue();
-        }
-        break;
-    }
-  }
-
-  void run_pycall(const PyCallOp& call, Registers& regs) const {
-    py::object args = steal_or_throw(PyTuple_New(static_cast<Py_ssize_t>(call.args.size())));
-    for (size_t i = 0; i < call.args.size(); ++i) {
-      PyTuple_SET_ITEM(args.ptr(), i, call.args[i].build(regs).release().ptr());
-    }
-    py::object kwargs = call.const_kwargs;
-    if (!call.kwargs.empty()) {
-      kwargs = steal_or_throw(kwargs.is_none() ? PyDict_New() : PyDict_Copy(kwargs.ptr()));
-      for (const auto& [key, tree] : call.kwargs) {
-        if (PyDict_SetItem(kwargs.ptr(), key.ptr(), tree.build(regs).ptr()) < 0) {
-          throw_python_error();
-        }
-      }
-    }
-    py::object result = steal_or_throw(
-        PyObject_Call(call.fn.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr()));
-    if (!call.multi) {
-      regs[static_cast<size_t>(call.outputs[0])] = from_python(result.ptr());
-      return;
-    }
-    py::object it = steal_or_throw(PyObject_GetIter(result.ptr()));
-    for (int64_t out : call.outputs) {
-      PyObject* item = PyIter_Next(it.ptr());
-      if (item == nullptr) {
-        if (PyErr_Occurred()) {
-          throw_python_error();
-        }
-        break;
-      }
-      regs[static_cast<size_t>(out)] = from_python(item);
-      Py_DECREF(item);
+        return;
     }
   }
 
@@ -462,15 +568,19 @@ class Executor {
   std::optional<Tree> output_;
   std::vector<Instr> code_;
   std::vector<CallOp> calls_;
-  std::vector<PyCallOp> pycalls_;
+  std::vector<OutOp> outs_;
+  std::vector<AllocOp> allocs_;
+  std::vector<ViewOp> views_;
+  std::vector<SymOp> syms_;
   std::vector<std::vector<int64_t>> frees_;
+  std::vector<PyCallOp> forms_;  // per pc: the instruction's Python form (empty for FREEs)
   std::vector<std::string> names_;
   size_t max_stack_ = 0;
   py::object arena_factory_ = py::none();
   std::vector<InputSpec> input_specs_;
   size_t n_symbols_ = 0;
   py::object on_mismatch_ = py::none();
-  std::vector<InputGuard> guards_;
+  std::vector<ArenaInput> arena_inputs_;
   bool constants_need_grad_ = false;
   mutable ArenaPool pool_;
 };
@@ -478,7 +588,7 @@ class Executor {
 // Whether torch.ops would route this call's ops through __torch_function__: 0 no, 1 yes (a
 // TorchFunctionMode is active), 2 maybe (an input is a tensor subclass, which may override it;
 // torch._C._has_torch_function decides). The compiled loop calls ops below that layer, so the
-// caller runs such calls on the Python loop instead.
+// loop runs such calls through each instruction's Python form.
 inline int torch_function_state(PyObject* inputs) {
   if (at::impl::torch_function_mode_enabled()) {
     return 1;

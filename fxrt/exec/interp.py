@@ -3,7 +3,10 @@
 It is the reference the compiled loop is tested against and the executor used when
 ``FXRT_PURE_PYTHON=1`` or the extension is unavailable. Instructions are first turned into plain
 tuples with their argument lists pre-built (a list template with register slots to fill), so the
-loop itself does no analysis.
+loop itself does no analysis. Every kind runs its plain form (ATen ops through ``torch.ops``,
+which ``__torch_function__`` sees), except OUT and ALLOC on calls with an arena: VIEW and SYM
+have no cheaper form in Python, and their plain form gives the same values. The per-call guards
+come from :mod:`fxrt.exec.guards`, errors from :func:`fxrt.errors.instruction_error`.
 """
 
 from __future__ import annotations
@@ -14,27 +17,16 @@ from typing import Any
 
 import torch
 
-from ..errors import node_error
-from ..ir.graph import Ref, map_refs, refs_in
+from ..errors import has_refs, instruction_error
+from ..ir.graph import Ref, map_refs
+from .guards import arena_allowed, torch_function_active
 from .inputs import check_inputs
-from .program import Call, Free, Program
+from .program import Alloc, Call, Free, OutCall, Program
 
-_CALL, _FREE, _ARENA = 0, 1, 2
-
-
-def torch_function_active(inputs: list[Any] | tuple[Any, ...]) -> bool:
-    """A TorchFunctionMode is active or an input overrides ``__torch_function__``: the call's
-    ops must go through torch.ops (the Python loop), without the arena."""
-    return torch._C._is_torch_function_mode_enabled() or torch._C._has_torch_function(inputs)
-
-
-def fills_uninitialized_memory() -> bool:
-    """``torch.use_deterministic_algorithms(True)`` with ``fill_uninitialized_memory``: new
-    tensors are filled (NaN), which a reused arena slot is not, so no arena is used."""
-    return (
-        torch.are_deterministic_algorithms_enabled()
-        and torch.utils.deterministic.fill_uninitialized_memory
-    )
+# Instruction tuples: (_FREE, regs), (_CALL, node, fn, loaded, outputs, multi) for every kind
+# that runs its plain form (CALL, VIEW, SYM, PYCALL, and OUT/ALLOC without an arena), and on
+# calls with an arena (_OUT, node, plain, out_fn, out_loaded, slot), (_SLOT, node, plain, slot).
+_CALL, _FREE, _OUT, _SLOT = 0, 1, 2, 3
 
 
 def _arg_loader(args: tuple, kwargs: dict) -> tuple:
@@ -44,18 +36,14 @@ def _arg_loader(args: tuple, kwargs: dict) -> tuple:
         if isinstance(a, Ref):
             tmpl.append(None)
             fills.append((pos, a.id))
-        elif input_refs_of(a):
+        elif has_refs(a):
             tmpl.append(None)
             deep.append((pos, a))
         else:
             tmpl.append(a)
-    kw_const = {k: v for k, v in kwargs.items() if not input_refs_of(v)}
-    kw_deep = tuple((k, v) for k, v in kwargs.items() if input_refs_of(v))
+    kw_const = {k: v for k, v in kwargs.items() if not has_refs(v)}
+    kw_deep = tuple((k, v) for k, v in kwargs.items() if has_refs(v))
     return tmpl, tuple(fills), tuple(deep), kw_const, kw_deep
-
-
-def input_refs_of(a: Any) -> bool:
-    return isinstance(a, (Ref, list, tuple, dict, slice)) and bool(refs_in(a))
 
 
 def _invoke(fn: Any, loaded: tuple, regs: list[Any]) -> Any:
@@ -81,11 +69,12 @@ def _step(ins: tuple, regs: list[Any], arena: list[Any] | None) -> None:
         for r in ins[1]:
             regs[r] = None
         return
-    if kind is _ARENA:
+    if kind is _SLOT:  # ALLOC with an arena: the slot is the result
+        regs[ins[2][4][0]] = arena[ins[3]]
+        return
+    if kind is _OUT:
         _, _node, plain, out_fn, out_loaded, slot = ins
         regs[plain[4][0]] = arena[slot]
-        if out_fn is None:  # an allocation: the slot is the result
-            return
         try:
             _invoke(out_fn, out_loaded, regs)  # writes the slot, passed as out=
             return
@@ -114,12 +103,14 @@ class PythonLoop:
         self.template = template
         self.inputs = program.inputs
         self.n_inputs = len(program.inputs)
-        self.input_specs = program.input_specs
+        self.guards = program.guards
         code: list[tuple] = []
         for ins in program.code:
             if isinstance(ins, Free):
                 code.append((_FREE, ins.regs))
                 continue
+            # An ATen op through torch.ops' Python binding (``_op``): what __torch_function__
+            # sees; SYM and PYCALL targets are Python callables already.
             fn = ins.target._op if isinstance(ins, Call) else ins.target
             loaded = _arg_loader(ins.args, ins.kwargs)
             code.append((_CALL, ins.node, fn, loaded, ins.outputs, ins.multi))
@@ -127,17 +118,11 @@ class PythonLoop:
         self.arena = program.arena if arena else None
         if self.arena is not None:
             self.arena_code = tuple(
-                self._arena_instruction(ins, plain)
-                if isinstance(ins, Call) and ins.slot >= 0
-                else plain
-                for ins, plain in zip(program.code, self.code)
+                self._arena_instruction(ins, plain) for ins, plain in zip(program.code, self.code)
             )
             # Arenas not in use, one pool per inference mode (the tensors of an arena made in
             # inference mode are inference tensors, which normal mode may not write).
             self._pools: tuple[list, list] = ([], [])
-            self._constants_need_grad = any(
-                isinstance(c, torch.Tensor) and c.requires_grad for _, c in program.constants
-            )
         out = program.output
         if isinstance(out, (tuple, list)) and all(isinstance(o, Ref) for o in out):
             regs = tuple(o.id for o in out)
@@ -149,19 +134,22 @@ class PythonLoop:
     def _registers(self, inputs: list[Any] | tuple[Any, ...]) -> list[Any]:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"compiled graph takes {self.n_inputs} inputs, got {len(inputs)}")
-        if self.input_specs:
-            check_inputs(self.input_specs, inputs)
+        if self.guards.input_specs:
+            check_inputs(self.guards.input_specs, inputs)
         regs = self.template.copy()
         for r, x in zip(self.inputs, inputs):
             regs[r] = x
         return regs
 
     @staticmethod
-    def _arena_instruction(ins: Call, plain: tuple) -> tuple:
-        if ins.out_target is None:
-            return (_ARENA, ins.node, plain, None, None, ins.slot)
-        loaded = _arg_loader(ins.out_args, ins.out_kwargs)
-        return (_ARENA, ins.node, plain, ins.out_target._op, loaded, ins.slot)
+    def _arena_instruction(ins: Any, plain: tuple) -> tuple:
+        """The instruction tuple on calls with an arena (VIEWs run their plain form here)."""
+        if isinstance(ins, OutCall):
+            loaded = _arg_loader(ins.out_args, ins.out_kwargs)
+            return (_OUT, ins.node, plain, ins.out_target._op, loaded, ins.slot)
+        if isinstance(ins, Alloc) and ins.slot >= 0:
+            return (_SLOT, ins.node, plain, ins.slot)
+        return plain
 
     def take_arena(self, inputs: list[Any] | tuple[Any, ...]) -> list[Any] | None:
         """An arena for this call from the pool (a new one when it is empty), or None when the
@@ -172,23 +160,8 @@ class PythonLoop:
         Neither does a call that ``__torch_function__`` or a ``TorchDispatchMode`` sees: it must
         see the graph's own ops."""
         arena = self.arena
-        if arena is None:
+        if arena is None or torch_function_active(inputs) or not arena_allowed(self.guards, inputs):
             return None
-        if (
-            torch_function_active(inputs)
-            or torch._C._len_torch_dispatch_stack()
-            or fills_uninitialized_memory()
-        ):
-            return None
-        if torch.is_grad_enabled() and (
-            self._constants_need_grad
-            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-        ):
-            return None
-        for pos, shape, dtype in arena.input_guards:
-            x = inputs[pos]
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype:
-                return None
         pool = self._pools[torch.is_inference_mode_enabled()]
         try:
             return pool.pop()
@@ -269,17 +242,8 @@ class PythonLoop:
         out = self.run_observed(inputs, lambda i, _r, a, b: timings.append((i, a, b)), names)
         return out, timings
 
-    def error(self, pc: int, regs: list[Any], exc: BaseException) -> Exception:
-        ins = self.program.code[pc]
-        if isinstance(ins, Free):
-            return exc
-        info = self.program.nodes[ins.node]
-        args = [
-            map_refs(a, lambda ref: regs[ref.id])
-            for a in (*ins.args, *ins.kwargs.values())
-            if input_refs_of(a)
-        ]
-        return node_error(info.name, info.op, info.stack_trace, args, exc)
+    def error(self, pc: int, regs: list[Any], exc: BaseException) -> BaseException:
+        return instruction_error(self.program, pc, regs, exc)
 
 
 __all__ = ["PythonLoop"]

@@ -1,17 +1,17 @@
 """The compiled loop: runs a Program in C++ (``fxrt._speedups._loop``, see its ``loop.h``).
 
 :class:`NativeLoop` hands the Program to the extension's ``Executor`` instruction by instruction,
-in program order, so an instruction's index is the same in both loops:
+in program order, one ``add_*`` call per instruction kind (fxrt/exec/program.py), so an
+instruction's index is the same in both loops. The extension binds each to a dispatcher op with
+its full boxed argument list; an instruction it cannot bind (an op the dispatcher does not know,
+a call that does not bind to its schema) is demoted, OUT/ALLOC/VIEW to CALL and CALL to PYCALL
+(which runs exactly as in the Python loop, and fails the same way), and the demotion is written
+back: :attr:`NativeLoop.program` is the Program the loop runs, with
+:attr:`~fxrt.exec.program.Program.demotions` listing them.
 
-* ``Call`` -> resolved once to a dispatcher op with its full boxed argument list. An op the
-  dispatcher does not know, or a call that does not bind to its schema, runs as a Python call of
-  ``target._op`` instead, exactly as the Python loop runs it (so it fails the same way too);
-  :attr:`NativeLoop.fallbacks` lists those nodes on top of the Program's own fallbacks.
-* ``PyCall`` -> a call back into Python inside the same loop.
-* ``Free`` -> registers reset.
-
-With an arena, the executor gets the arena's factory and input guards and each call its slot
-(see :mod:`fxrt.exec.arena`); it decides per call whether to use one, as the Python loop does.
+Per call, the Program's guards (:mod:`fxrt.exec.guards`) decide in C++ whether the call runs each
+instruction's Python form (``__torch_function__`` must see its ops) and whether it uses an arena.
+Errors are built by :func:`fxrt.errors.instruction_error`, as in the Python loop.
 
 Loading: the extension is tied to the torch it was compiled against. This module imports it once,
 when it is imported itself, and :func:`extension_status` says whether it can be used and why not.
@@ -21,6 +21,7 @@ warns (once per process) and fxrt uses the Python loop.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 import warnings
@@ -30,11 +31,22 @@ from typing import Any
 
 import torch
 
-from ..errors import node_error
-from ..ir.graph import Ref, map_refs
+from ..errors import instruction_error
+from ..ir.graph import Op, Ref
 from .inputs import InputError, InputSpec, check_inputs
-from .interp import PythonLoop, input_refs_of, torch_function_active
-from .program import Call, Free, Program
+from .program import (
+    SYM_OPS,
+    Alloc,
+    Call,
+    Demotion,
+    Free,
+    Instr,
+    OutCall,
+    Program,
+    PyCall,
+    SymStep,
+    View,
+)
 
 # Release the GIL around native instructions, as torch.ops does around every op. Measured on the
 # 200-op chain (tests/test_native.py, run as a script): no cost on one thread (1.96 us/node either
@@ -116,6 +128,10 @@ else:
         pass
 
 
+_VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4}
+_SYM_KINDS = {op: k for k, op in enumerate(dict.fromkeys(SYM_OPS.values()))}  # loop.h's order
+
+
 class NativeLoop(_Executor):
     """Executes a :class:`Program` with the compiled loop; same contract as
     :class:`~fxrt.exec.interp.PythonLoop`: ``loop(inputs)`` takes the list (or tuple) of graph
@@ -128,6 +144,10 @@ class NativeLoop(_Executor):
     Args:
         program: the Program to run.
         release_gil: release the GIL while native ops run (default :data:`RELEASE_GIL`).
+        arena_max_idle: arenas kept between calls, per inference mode.
+
+    Attributes:
+        program: ``program`` with the demotions this loop needed written back.
 
     Raises:
         RuntimeError: the extension is not usable (see :func:`extension_status`).
@@ -141,90 +161,101 @@ class NativeLoop(_Executor):
         status = extension_status()
         if not status.usable:
             raise RuntimeError(f"fxrt: compiled loop unavailable: {status.reason}")
-        self.program = program
         self.release_gil = release_gil
         self._init_executor(Ref, program.n_regs, release_gil)
         self.set_inputs(list(program.inputs))
         for reg, obj in program.constants:
             self.set_constant(reg, obj)
-        python_calls: list[int] = []
-        for ins in program.code:
-            if isinstance(ins, Free):
-                self.add_free(list(ins.regs))
-            elif not (isinstance(ins, Call) and self._add_native_call(ins)):
-                # A PyCall, or an ATen call the dispatcher cannot run: call what the Python loop
-                # calls, so that it runs (or fails) exactly as there.
-                fn = ins.target._op if isinstance(ins, Call) else ins.target
-                args, kwargs = tuple(ins.args), dict(ins.kwargs)
-                self.add_pycall(fn, args, kwargs, list(ins.outputs), ins.multi)
-                python_calls.append(ins.node)
+        code: list[Instr] = []
+        demotions = list(program.demotions)
+        for pc, ins in enumerate(program.code):
+            why = self._add(ins)
+            while why is not None:  # demote until it binds; a PYCALL always does
+                lowered = ins
+                ins = _demoted(ins, why)
+                name = program.nodes[ins.node].name
+                demotions.append(Demotion(pc, name, lowered.KIND, ins.KIND, why))
+                why = self._add(ins)
+            code.append(ins)
+        if demotions != list(program.demotions):
+            program = dataclasses.replace(program, code=tuple(code), demotions=tuple(demotions))
+        self.program = program
         self.set_output(program.output)
-        if program.arena is not None:
-            guards = [
+        guards = program.guards
+        self.set_guards(
+            [
+                (
+                    spec.pos,
+                    torch.empty(0, dtype=spec.meta.dtype, device="meta"),
+                    spec.meta.device,
+                    list(spec.sizes),
+                    list(spec.strides),
+                )
+                for spec in guards.input_specs
+            ],
+            lambda inputs: _input_error(guards.input_specs, inputs),
+            [
                 (pos, torch.empty(shape, dtype=dtype, device="meta"))
-                for pos, shape, dtype in program.arena.input_guards
-            ]
-            need_grad = any(
-                isinstance(c, torch.Tensor) and c.requires_grad for _, c in program.constants
-            )
-            self.set_arena(program.arena.allocate, guards, need_grad, arena_max_idle)
+                for pos, shape, dtype in guards.arena_inputs
+            ],
+            guards.constants_need_grad,
+        )
+        if program.arena is not None:
+            self.set_arena(program.arena.allocate, arena_max_idle)
         self.arena_max_idle = arena_max_idle
-        if program.input_specs:
-            specs = program.input_specs
-            self.set_input_specs(
-                [
-                    (
-                        spec.pos,
-                        torch.empty(0, dtype=spec.meta.dtype, device="meta"),
-                        spec.meta.device,
-                        list(spec.sizes),
-                        list(spec.strides),
-                    )
-                    for spec in specs
-                ],
-                lambda inputs: _input_error(specs, inputs),
-            )
         self.set_names(
             [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
         )
         self._node_of_pc = tuple(-1 if isinstance(i, Free) else i.node for i in program.code)
-        self._python_calls = tuple(python_calls)
-        self._python_loop: PythonLoop | None = None
 
-    def _add_native_call(self, ins: Call) -> bool:
+    def _add(self, ins: Instr) -> str | None:
+        """Add ``ins`` to the executor; None when added, else why it cannot be bound."""
+        if isinstance(ins, Free):
+            self.add_free(list(ins.regs))
+            return None
+        if isinstance(ins, PyCall):
+            self.add_pycall(
+                ins.target, tuple(ins.args), dict(ins.kwargs), list(ins.outputs), ins.multi
+            )
+            return None
+        if isinstance(ins, SymStep):
+            return self.add_sym(ins.target, _SYM_KINDS[ins.op], tuple(ins.args), ins.outputs[0])
         schema = ins.target._schema
-        added = self.add_call(
+        plain = (
+            ins.target._op,
             str(schema.name),
             schema.overload_name,
             tuple(ins.args),
             dict(ins.kwargs),
             list(ins.outputs),
-            ins.multi,
         )
-        if added and ins.inline_view:
-            self.set_inline_view()
-        if added and ins.slot >= 0:
-            out = ins.out_target._schema if ins.out_target is not None else None
-            self.set_arena_slot(
+        if isinstance(ins, OutCall):
+            out = ins.out_target._schema
+            return self.add_out(
+                *plain,
                 ins.slot,
-                str(out.name) if out else None,
-                out.overload_name if out else None,
+                str(out.name),
+                out.overload_name,
                 tuple(ins.out_args),
-                dict(ins.out_kwargs or {}),
+                dict(ins.out_kwargs),
             )
-        return added
+        if isinstance(ins, Alloc):
+            return self.add_alloc(*plain, ins.slot, ins.cpu)
+        if isinstance(ins, View):
+            kind = _VIEW_KINDS[ins.view]
+            return self.add_view(
+                *plain, kind, ins.always, list(ins.ints), list(ins.strides), ins.offset
+            )
+        return self.add_call(*plain, ins.multi)
 
     def release_memory(self) -> None:
         """Free the arenas kept between calls (calls running now keep theirs until they return)."""
         self.release_arenas()
-        if self._python_loop is not None:
-            self._python_loop.release_memory()
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
-        """Names of the nodes this loop runs through Python (the Program's fallbacks, and ATen
-        calls the dispatcher cannot run natively)."""
-        return tuple(self.program.nodes[i].name for i in self._python_calls)
+        """Names of the nodes this loop runs through Python (its Program's PYCALLs)."""
+        return self.program.fallbacks
 
     def run_timed(  # type: ignore[override]
         self, inputs: list[Any] | tuple[Any, ...], names: tuple[str, ...] | None = None
@@ -237,20 +268,16 @@ class NativeLoop(_Executor):
         return out, [(nodes[flat[i]], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def _execution_error(self, pc: int, regs: list[Any], exc: BaseException) -> BaseException:
-        return _execution_error(self.program, pc, regs, exc)
+        return instruction_error(self.program, pc, regs, exc)
 
-    def _run_with_torch_function(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
-        # The Python loop calls ops through torch.ops, which honours __torch_function__ (a mode,
-        # a tensor subclass input); the compiled loop calls them below that layer.
-        return self.python_loop()(inputs)
 
-    def python_loop(self) -> PythonLoop:
-        """The Python loop over the same program, for calls ``__torch_function__`` must see."""
-        if self._python_loop is None:
-            self._python_loop = PythonLoop(self.program, arena_max_idle=self.arena_max_idle)
-        return self._python_loop
-
-    torch_function_active = staticmethod(torch_function_active)
+def _demoted(ins: Instr, why: str) -> Instr:
+    """What runs ``ins`` when the compiled loop cannot bind it: OUT, ALLOC and VIEW as their plain
+    CALL, a CALL or SYM step as the Python call the Python loop makes."""
+    if isinstance(ins, Call) and type(ins) is not Call:
+        return ins.plain()
+    reason = f"{Op.of(ins.target).name}: {why}"
+    return PyCall(ins.node, ins.target, ins.args, ins.kwargs, ins.outputs, ins.multi, reason)
 
 
 def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
@@ -260,22 +287,6 @@ def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
     except InputError as e:
         return e
     return InputError("inputs do not match the compiled graph")  # not reached: same checks
-
-
-def _execution_error(
-    program: Program, pc: int, regs: list[Any], exc: BaseException
-) -> BaseException:
-    """The error the Python loop raises when instruction ``pc`` fails (PythonLoop.error)."""
-    ins = program.code[pc]
-    if isinstance(ins, Free):
-        return exc
-    info = program.nodes[ins.node]
-    args = [
-        map_refs(a, lambda ref: regs[ref.id])
-        for a in (*ins.args, *ins.kwargs.values())
-        if input_refs_of(a)
-    ]
-    return node_error(info.name, info.op, info.stack_trace, args, exc)
 
 
 __all__ = ["ExtensionStatus", "NativeLoop", "extension_status", "native_available"]
