@@ -6,12 +6,14 @@ its storage and a ``malloc`` per op (measured with ``callBoxed`` on a 1x64 tenso
 it can a place in an arena and calls the op's ``out=`` overload there:
 
 1. Candidates. A value gets a slot when it is a fresh storage (a lifetime-plan root) whose alias
-   set is not pinned (no graph input, constant or output ever shares it), on the CPU, with static
-   metadata, made by an ATen call that either allocates uninitialized memory (the ``empty``
-   family: no call at all, the slot is the result) or has an ``out=`` overload with a CPU kernel
-   of its own and exactly the functional overload's arguments plus ``out`` (``relu`` uses
+   set is not pinned (no graph input, constant or output ever shares it), with static metadata,
+   made by an ATen call that either allocates uninitialized memory (the ``empty`` family: no call
+   at all, the slot is the result) or has an ``out=`` overload with a kernel of its own on the
+   value's device and exactly the functional overload's arguments plus ``out`` (``relu`` uses
    ``clamp_min.out``, which is what ATen's relu calls). Random ops keep their functional call,
-   so their generator draws stay those of eager.
+   so their generator draws stay those of eager. The arena is one buffer on one device: the one
+   whose candidates hold the most bytes (the CPU on a tie); candidates on other devices keep
+   their plain calls.
 2. Intervals. A slot is busy from the node that makes its value to the node after which the
    lifetime plan frees the value's alias set (views of it extend it).
 3. Offsets: greedy by size, as in Static Runtime and TFLite: largest first, each at the lowest
@@ -25,7 +27,7 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    read by ops that return fresh results, or by such views, needs no view tracking: the compiled
    loop makes it as the op's CPU kernel does (a new TensorImpl on the same storage, geometry
    computed from the actual input) without the dispatcher and autograd's view layer.
-   :func:`inline_views` picks them.
+   :func:`fxrt.exec.views.inline_views` picks them.
 
 At run time a loop takes an arena (one storage and a tensor per slot, made by
 :meth:`ArenaPlan.allocate`) from a pool when a call starts and puts it back when the call returns,
@@ -40,13 +42,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..ir.graph import Graph, OpKind, Ref, ValueKind
-from ..ops.aliasing import is_collective, output_aliases
+from ..ops.aliasing import is_collective
 from .plan import Plan
 
 ALIGNMENT = 64  # bytes; what PyTorch's CPU allocator guarantees for every allocation
@@ -76,12 +78,12 @@ class Slot:
     dtype: torch.dtype
     first: int  # node index that makes the value
     last: int  # node index after which its alias set is freed
-
-
-# The views a loop may make inline on calls without autograd (see the module docstring).
-INLINE_VIEW_OPS = frozenset(
-    {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose.int", "aten::permute"}
-)
+    # How the value's node writes it here (``arena_call``, decided once, when the slot is placed):
+    # the ``out=`` overload and its arguments, ``out`` passed as the value's own register; None,
+    # (), {} for an allocation, which takes the slot as it is.
+    out_target: Any = field(default=None, compare=False)
+    out_args: tuple[Any, ...] = field(default=(), compare=False)
+    out_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -94,22 +96,24 @@ class ArenaPlan:
     # Per graph input position with static tensor metadata: (shape, dtype) a call must match to
     # use the arena.
     input_guards: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
+    device: str = "cpu"  # where the buffer lives (every slot's value is on it)
 
     def slot_of(self) -> dict[int, int]:
         """Value id -> slot index."""
         return {s.value: i for i, s in enumerate(self.slots)}
 
     def allocate(self) -> list[torch.Tensor]:
-        """One arena: a CPU buffer of ``nbytes`` and one tensor per slot, in slot order.
+        """One arena: a buffer of ``nbytes`` on the arena's device and one tensor per slot, in
+        slot order.
 
         Each slot's tensor has a storage of its own that views its bytes of the buffer, so it
         looks like a fresh result: storage offset 0 (``as_strided`` offsets are absolute),
         storage size the value's, and not resizable (an ``out=`` kernel that would resize it
         fails, and the plain call runs instead)."""
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8).untyped_storage()
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
         tensors = []
         for s in self.slots:
-            t = torch.empty(0, dtype=s.dtype)
+            t = torch.empty(0, dtype=s.dtype, device=self.device)
             t.set_(buffer[s.offset : s.offset + s.nbytes], 0, s.shape, s.stride)
             tensors.append(t)
         return tensors
@@ -148,12 +152,14 @@ class ArenaError(AssertionError):
 
 
 @functools.cache
-def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The ``out=`` overload that computes what ``op`` does into a given tensor, or None.
+def out_variant(op: torch._ops.OpOverload, device: str = "cpu") -> torch._ops.OpOverload | None:
+    """The ``out=`` overload that computes what ``op`` does into a given tensor on ``device`` (a
+    device type), or None.
 
     It must take exactly ``op``'s arguments (names, types, kinds and defaults) plus one
-    kwarg-only ``Tensor(a!) out``, and have a CPU kernel of its own: the generated ``out=``
-    overloads that call the functional op and copy its result would only add a copy.
+    kwarg-only ``Tensor(a!) out``, and have a kernel of its own for the device
+    (:func:`own_kernel`): the generated ``out=`` overloads that call the functional op and copy
+    its result would only add a copy (and an allocation).
     """
     schema = op._schema
     if len(schema.returns) != 1 or not isinstance(schema.returns[0].type, torch.TensorType):
@@ -180,9 +186,32 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
             and len(cand._schema.returns) == 1
         ):
             continue
-        if torch._C._dispatch_has_kernel_for_dispatch_key(cand.name(), "CPU"):
+        if own_kernel(cand.name(), device):
             return cand
     return None
+
+
+_COMPOSITE_KEYS = (
+    "CompositeExplicitAutograd",
+    "CompositeExplicitAutogradNonFunctional",
+    "CompositeImplicitAutograd",
+)
+
+
+@functools.cache
+def own_kernel(name: str, device: str) -> bool:
+    """Whether op ``name`` has a kernel of its own on device type ``device``: one registered for
+    the device's dispatch key, or, on a backend that serves the ops it has no kernel for through
+    one fallback (PyTorch's OpenReg, fxrt's stand-in device), no composite kernel (which the
+    dispatcher would pick over the fallback)."""
+    key = torch._C._dispatch_key_for_device(device)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+        return True
+    if device == "cpu" or not torch._C._dispatch_has_backend_fallback(
+        getattr(torch._C.DispatchKey, key)
+    ):
+        return False
+    return not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in _COMPOSITE_KEYS)
 
 
 def _arg_key(a: torch.Argument) -> tuple:
@@ -196,7 +225,6 @@ def _placeable(graph: Graph, vid: int) -> bool:
         v.kind is ValueKind.TENSOR
         and meta is not None
         and meta.is_static
-        and meta.device == "cpu"
         and isinstance(meta.storage_nbytes, int)
         and meta.storage_nbytes > 0
         and meta.dtype not in _QUANTIZED
@@ -213,13 +241,15 @@ def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
     if node.op.name in ALLOCATING_OPS:
         return None if node.kwargs.get("pin_memory") is True else (None, (), {})
     result = Ref(node.outputs[0])
+    meta = graph.values[node.outputs[0]].meta
+    device = "cpu" if meta is None else torch.device(meta.device).type
     if node.op.name == "aten::relu":
         # ATen's relu is clamp_min(self, 0) (it only refuses bool), and relu's own out=
         # overload is a generated one that copies.
-        if graph.values[node.outputs[0]].meta.dtype is torch.bool:
+        if meta.dtype is torch.bool or not own_kernel("aten::clamp_min.out", device):
             return None
         return torch.ops.aten.clamp_min.out, (node.args[0], 0), {"out": result}
-    out = out_variant(node.op.target)
+    out = out_variant(node.op.target, device)
     if out is None:
         return None
     return out, node.args, {**node.kwargs, "out": result}
@@ -236,14 +266,23 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
         vid = node.outputs[0]
         if vid not in plan.roots or vid in plan.pinned or vid not in free_at:
             continue
-        if not _placeable(graph, vid) or arena_call(graph, node) is None:
+        if not _placeable(graph, vid):
+            continue
+        call = arena_call(graph, node)
+        if call is None:
             continue
         meta = graph.values[vid].meta
-        items.append((vid, int(meta.storage_nbytes), i, free_at[vid]))
+        items.append((vid, int(meta.storage_nbytes), i, free_at[vid], call))
+    by_device: dict[str, int] = {}
+    for it in items:
+        dev = graph.values[it[0]].meta.device
+        by_device[dev] = by_device.get(dev, 0) + it[1]
+    device = max(by_device, key=lambda d: (by_device[d], d == "cpu"), default="cpu")
+    items = [it for it in items if graph.values[it[0]].meta.device == device]
     if not items and not views:
         return None
     placed = _Placed(len(graph.nodes))
-    for vid, nbytes, first, last in sorted(items, key=lambda it: (-it[1], it[2])):
+    for vid, nbytes, first, last, call in sorted(items, key=lambda it: (-it[1], it[2])):
         busy = sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(first, last))
         offset = 0
         for lo, hi in busy:
@@ -251,11 +290,8 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
                 break
             offset = max(offset, _align(hi))
         meta = graph.values[vid].meta
-        placed.add(
-            Slot(
-                vid, offset, nbytes, tuple(meta.shape), tuple(meta.stride), meta.dtype, first, last
-            )
-        )
+        shape, stride = tuple(meta.shape), tuple(meta.stride)
+        placed.add(Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call))
     slots = tuple(sorted(placed.slots, key=lambda s: s.first))
     guards = []
     for pos, vid in enumerate(graph.inputs):
@@ -266,6 +302,7 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
         nbytes=_align(max((s.offset + s.nbytes for s in slots), default=0)),
         slots=slots,
         input_guards=tuple(guards),
+        device=device,
     )
 
 
@@ -331,37 +368,6 @@ class _Placed:
         for i in range(lo, bisect.bisect_right(firsts, last, lo)):
             found.extend(starting[firsts[i]])
         return found
-
-
-def inline_views(graph: Graph) -> frozenset[int]:
-    """Indices of the view nodes a loop may make inline on calls without autograd: an
-    ``INLINE_VIEW_OPS`` call on a CPU tensor whose result is no graph output and whose every
-    user either is such a view itself or reads it and returns fresh results without writing
-    anything (so the view is never written, returned or kept by a result)."""
-    users: dict[int, list[int]] = {}
-    for i, node in enumerate(graph.nodes):
-        for vid in set(node.input_ids()):
-            users.setdefault(vid, []).append(i)
-    outputs = set(graph.output_ids())
-    chosen: set[int] = set()
-    for i in range(len(graph.nodes) - 1, -1, -1):  # users first
-        node = graph.nodes[i]
-        if node.op.name not in INLINE_VIEW_OPS or len(node.outputs) != 1:
-            continue
-        vid = node.outputs[0]
-        meta = graph.values[vid].meta
-        if vid in outputs or meta is None or meta.device != "cpu":
-            continue
-        if all(u in chosen or _only_reads(graph, graph.nodes[u]) for u in users.get(vid, ())):
-            chosen.add(i)
-    return frozenset(chosen)
-
-
-def _only_reads(graph: Graph, node: Any) -> bool:
-    """An ATen call that writes none of its arguments and whose results alias none of them."""
-    if node.op.kind is not OpKind.ATEN or is_collective(node.op.name) or node.op.schema.is_mutable:
-        return False
-    return not any(output_aliases(graph, node))
 
 
 def _align(n: int) -> int:
@@ -444,10 +450,9 @@ __all__ = [
     "ArenaError",
     "ArenaPlan",
     "Slot",
-    "INLINE_VIEW_OPS",
     "arena_call",
-    "inline_views",
     "out_variant",
+    "own_kernel",
     "plan_arena",
     "verify_arena",
 ]
