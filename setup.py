@@ -38,10 +38,10 @@ def build_requested() -> bool:
 def cpu_stub_macros() -> list[tuple[str, str]]:
     """The CPU capabilities torch was built with, as ATen's DispatchStub.h expects them.
 
-    Calling one of ATen's CPU kernels through its DispatchStub (fxrt/_speedups/kernels.h) links
+    Calling one of ATen's CPU kernels through its DispatchStub (fxrt/_speedups/own_ops.h) links
     against ``DispatchStubImpl::get_call_ptr``, whose parameters are one function pointer per
     capability the torch build has: on x86-64, AVX512 and AVX2. Elsewhere the macros stay unset
-    and kernels.h calls the ATen op instead.
+    and own_ops.h calls the ATen op instead.
     """
     if platform.machine().lower() in ("x86_64", "amd64"):
         return [("HAVE_AVX512_CPU_DEFINITION", "1"), ("HAVE_AVX2_CPU_DEFINITION", "1")]
@@ -50,6 +50,10 @@ def cpu_stub_macros() -> list[tuple[str, str]]:
 
 def extensions() -> list:
     if not build_requested():
+        print(
+            "fxrt: FXRT_BUILD_EXT=0: installing without the C++ extension; compiled graphs run on "
+            "the pure-Python loop (set FXRT_BUILD_EXT=0 at run time too to say it was chosen)"
+        )
         return []
     try:
         import torch
@@ -60,7 +64,15 @@ def extensions() -> list:
             "cannot import. Install with `pip install --no-build-isolation .` in an environment "
             "that has torch, or set FXRT_BUILD_EXT=0 to install the pure-Python runtime."
         ) from e
-    from Cython.Build import cythonize
+    try:
+        from Cython.Build import cythonize
+    except ImportError as e:
+        raise RuntimeError(
+            "fxrt's C++ extension is built with Cython, which this environment lacks. With "
+            "--no-build-isolation pip does not install build requirements: run `pip install "
+            "'setuptools>=64' wheel 'cython>=3.0'` first, or set FXRT_BUILD_EXT=0 to install the "
+            "pure-Python runtime."
+        ) from e
     from setuptools import Extension
 
     lib_dirs = cpp_extension.library_paths()

@@ -1,4 +1,6 @@
-"""``compile_graph``: FX GraphModule -> IR -> verify -> plan -> lower -> executor."""
+"""``compile_graph``: an FX GraphModule through the compile cache and the compile pipeline
+(:mod:`fxrt.pipeline`: user pre pass, conversion, overrides, passes, user post pass, own ops,
+lifetime plan, arena, lowering) to a :class:`CompiledGraph`, the executor of the Program."""
 
 from __future__ import annotations
 
@@ -19,17 +21,13 @@ from . import cache, profiler
 from .artifact import ArtifactError, TensorRecord, content_hash, decode_tensor, pack, unpack
 from .config import CompilerConfig
 from .dump import Dumper
-from .exec.arena import inline_views, plan_arena, verify_arena
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
-from .exec.plan import Plan, plan_lifetimes
-from .exec.program import Program, lower
-from .ir import Graph, from_fx, graph_to_text, verify
-from .ir.to_fx import to_fx
-from .ops.kernels import apply_kernel_overrides
-from .ops.native_kernels import use_native_kernels
-from .passes import PassRecord, run_passes
-from .passes.user import run_user_pass
+from .exec.plan import Plan
+from .exec.program import Program
+from .ir import Graph, from_fx, graph_to_text
+from .passes import PassRecord
+from .pipeline import compile_stages, lower_program
 from .serialize import SerializationError, decode_graph, dump_graph, encode_graph, load_graph
 
 log = logging.getLogger("fxrt")
@@ -49,9 +47,13 @@ class CompiledGraph:
     Attributes:
         graph: the fxrt IR (``print(cg.graph_text())`` to read it).
         plan: the lifetime plan (FREE positions, predicted peak bytes).
-        program: the flat Program both loops run; ``print(cg.program)`` lists it.
+        program: the flat Program the loop runs; ``print(cg.program)`` lists it, each
+            instruction with its kind.
         executor: the name of the loop that runs it: ``"python"`` or ``"cpp"``.
         pass_records: one ``PassRecord(name, seconds, changed)`` per built-in pass that ran.
+        stage_records: one ``PassRecord`` per compile-pipeline stage that ran in this process
+            (:data:`fxrt.pipeline.PIPELINE`, built-in passes included); empty for a graph loaded
+            from an artifact or the cache.
     """
 
     def __init__(self, graph: Graph, plan: Plan, program: Program, config: CompilerConfig):
@@ -69,6 +71,7 @@ class CompiledGraph:
         self.program = self._loop.program  # with the compiled loop's demotions, if any
         self.executor: str = self._loop.name
         self.pass_records: list[PassRecord] = []
+        self.stage_records: list[PassRecord] = []
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
 
     def __call__(self, *args: Any) -> Any:
@@ -326,10 +329,24 @@ def _compile_cached(
     config: CompilerConfig,
     owned_constants: bool,
 ) -> CompiledGraph:
+    """``gm`` through the compile cache. The cache key is the IR of ``gm``; on a miss the
+    pipeline takes that conversion as its ``from_fx`` stage's, unless a user pre pass changes
+    ``gm`` first (then the pipeline converts what the pass left)."""
+    if not config.cache:
+        return _compile(gm, example_inputs, config, owned_constants=owned_constants)
+    t0 = time.perf_counter()
     graph = from_fx(gm, example_inputs)
+    seconds = time.perf_counter() - t0
 
     def build() -> CompiledGraph:
-        return _compile(gm, example_inputs, config, graph, owned_constants=owned_constants)
+        return _compile(
+            gm,
+            example_inputs,
+            config,
+            graph,
+            owned_constants=owned_constants,
+            graph_seconds=seconds,
+        )
 
     return cached_compile(graph, example_inputs, config, build, gm)
 
@@ -341,77 +358,36 @@ def _compile(
     graph: Graph | None = None,
     *,
     owned_constants: bool,
+    graph_seconds: float = 0.0,
 ) -> CompiledGraph:
-    """The pipeline: [user pre pass] -> IR -> passes -> [user post pass] -> plan -> lower.
+    """Run the compile pipeline (:mod:`fxrt.pipeline`) on ``gm`` and build the executor.
 
-    ``owned_constants``: the graph's constants are its own (tensor literals Dynamo or AOTAutograd
-    made; the model's weights are graph inputs there), so constant folding may fold them. Else
-    only ``config.freeze`` lets it fold them."""
+    ``graph``: ``gm`` converted already (``graph_seconds`` it took). ``owned_constants``: the
+    graph's constants are its own (tensor literals Dynamo or AOTAutograd made; the model's
+    weights are graph inputs there), so constant folding may fold them. Else only
+    ``config.freeze`` lets it fold them."""
     cache.stats["compiled"] += 1
-    dump = Dumper(config.dump_dir) if config.dump_dir else None
-    if dump:
-        dump.fx("input_fx.txt", gm)
-    if config.post_grad_custom_pre_pass is not None:
-        gm = run_user_pass(
-            config.post_grad_custom_pre_pass,
-            "post_grad_custom_pre_pass",
-            gm,
-            example_inputs,
-            config,
-        )
-        if dump:
-            dump.fx("after_pre_pass_fx.txt", gm)
-    if graph is None or config.post_grad_custom_pre_pass is not None:
-        graph = from_fx(gm, example_inputs)
-    graph = apply_kernel_overrides(graph)  # fxrt.register_kernel: fxrt graphs only, not eager
-    if config.verify:
-        verify(graph)
-    graph, records = run_passes(
-        graph,
-        config.pass_names(),
-        check=config.verify,
-        fold_max_bytes=config.fold_max_bytes,
-        foldable=None if owned_constants or config.freeze else frozenset(),
-        on_pass=(lambda name, g: dump.ir(f"after_{name}.txt", g)) if dump else None,
+    c = compile_stages(
+        gm,
+        example_inputs,
+        config,
+        owned_constants=owned_constants,
+        graph=graph,
+        graph_seconds=graph_seconds,
     )
-    if config.post_grad_custom_post_pass is not None:
-        post = run_user_pass(
-            config.post_grad_custom_post_pass,
-            "post_grad_custom_post_pass",
-            to_fx(graph),
-            example_inputs,
-            config,
-        )
-        if dump:
-            dump.fx("after_post_pass_fx.txt", post)
-        graph = from_fx(post, example_inputs)
-        if config.verify:
-            verify(graph)
-    if config.native_kernels:  # last: user passes see ATen ops, a user's override wins
-        graph = use_native_kernels(graph)
-        if config.verify:
-            verify(graph)
-    plan = plan_lifetimes(graph)
-    program = _lower(graph, plan, config)
-    if dump:
-        dump.final(graph, program)
-    cg = CompiledGraph(graph, plan, program, config)
-    cg.pass_records = records
+    cg = CompiledGraph(c.graph, c.plan, c.program, config)
+    cg.pass_records = c.pass_records
+    cg.stage_records = c.records
+    if c.dump is not None:
+        c.dump.final(cg.graph, cg.program)
     return cg
 
 
 def _lower(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
-    """The Program, with an arena when the config asks for one and anything fits in it."""
-    check = config.check_inputs
-    if not config.arena:
-        return lower(graph, plan, check_inputs=check)
-    views = inline_views(graph)
-    arena = plan_arena(graph, plan, views)
-    if arena is not None and config.verify:
-        verify_arena(graph, plan, arena)
-    return lower(
-        graph, plan, arena, views if arena is not None else frozenset(), check_inputs=check
-    )
+    """The Program of a graph and plan rebuilt from an artifact or a cache entry: the
+    pipeline's stages after ``plan_lifetimes`` (the arena, when the config asks for one, and
+    ``lower``)."""
+    return lower_program(graph, plan, config)
 
 
 def get_compiler(

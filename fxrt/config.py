@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -39,6 +40,30 @@ def env_flag(name: str, default: bool) -> bool:
     )
 
 
+# Deprecated option name -> its new name, and the environment variables likewise. Each old name
+# still works, with one DeprecationWarning per process.
+DEPRECATED_OPTIONS = {"native_kernels": "own_ops"}
+DEPRECATED_ENV = {"FXRT_NATIVE_KERNELS": "FXRT_OWN_OPS"}
+_warned: set[str] = set()
+
+
+def _deprecated(old: str, new: str, stacklevel: int) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(
+            f"fxrt: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel + 1
+        )
+
+
+def _own_ops_default() -> bool:
+    if "FXRT_OWN_OPS" not in os.environ:
+        for old, new in DEPRECATED_ENV.items():
+            if new == "FXRT_OWN_OPS" and old in os.environ:
+                _deprecated(f"the environment variable {old}", new, stacklevel=3)
+                return env_flag(old, True)
+    return env_flag("FXRT_OWN_OPS", True)
+
+
 @dataclass
 class CompilerConfig:
     """Options of the fxrt compiler.
@@ -68,9 +93,10 @@ class CompilerConfig:
             mode (each concurrent call needs its own; more are freed when their calls return).
             Default from ``FXRT_ARENA_MAX_IDLE`` (2). ``CompiledGraph.release_memory()`` frees
             them all.
-        native_kernels: use fxrt's own CPU ops where ATen's kernel choice costs more host time
-            than the math (``aten::gelu`` on small float32 tensors; see
-            :mod:`fxrt.ops.native_kernels`). Default from ``FXRT_NATIVE_KERNELS`` (on).
+        own_ops: use fxrt's own CPU ops where ATen's kernel choice costs more host time than
+            the math (``aten::gelu`` on small float32 tensors; see :mod:`fxrt.ops.own_ops`).
+            Default from ``FXRT_OWN_OPS`` (on). ``native_kernels`` and ``FXRT_NATIVE_KERNELS``
+            are its deprecated old names.
         check_inputs: check every call's inputs against what the graph was compiled for (dtype,
             device, rank, static sizes and strides, size symbols bound consistently) and raise
             ``fxrt.InputError`` naming the input otherwise. Default from ``FXRT_CHECK_INPUTS``
@@ -81,8 +107,9 @@ class CompilerConfig:
             or written gives one warning, and graphs are compiled without the cache.
         cache_max_bytes: the most bytes the cache directory may hold; least-recently-used
             entries are evicted past it. Default from ``FXRT_CACHE_MAX_BYTES`` (1 GiB).
-        mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows; on CPU they
-            all run the same program (``reduce-overhead`` is where device-graph capture hooks in).
+        mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows, and today
+            each one compiles and runs exactly what ``"default"`` does, on every device (the
+            options above are how to change what fxrt does).
     """
 
     pure_python: bool = field(default_factory=lambda: env_flag("FXRT_PURE_PYTHON", False))
@@ -96,14 +123,18 @@ class CompilerConfig:
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
     arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
     arena_max_idle: int = field(default_factory=lambda: env_int("FXRT_ARENA_MAX_IDLE", 2))
-    native_kernels: bool = field(default_factory=lambda: env_flag("FXRT_NATIVE_KERNELS", True))
+    own_ops: bool = field(default_factory=_own_ops_default)
     check_inputs: bool = field(default_factory=lambda: env_flag("FXRT_CHECK_INPUTS", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     cache_max_bytes: int = field(default_factory=lambda: env_int("FXRT_CACHE_MAX_BYTES", 1 << 30))
     mode: str = "default"
+    native_kernels: InitVar[bool | None] = None  # deprecated: own_ops
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, native_kernels: bool | None) -> None:
+        if native_kernels is not None:
+            _deprecated("the option native_kernels", "own_ops", stacklevel=3)
+            self.own_ops = native_kernels
         if self.mode not in MODES:
             raise ValueError(f"fxrt: unknown mode {self.mode!r}; valid modes: {', '.join(MODES)}")
         for f in dataclasses.fields(self):
@@ -150,10 +181,20 @@ class CompilerConfig:
         """
         options = dict(options or {})
         valid = cls.option_names()
-        unknown = sorted(k for k in options if k not in valid)
+        unknown = sorted(k for k in options if k not in valid and k not in DEPRECATED_OPTIONS)
         if unknown:
             raise ValueError(
                 f"fxrt: unknown option(s) {', '.join(map(repr, unknown))}; "
                 f"valid options: {', '.join(valid)}"
             )
         return cls(mode=mode or "default", **options)
+
+
+def _native_kernels(self: CompilerConfig) -> bool:
+    _deprecated("CompilerConfig.native_kernels", "own_ops", stacklevel=2)
+    return self.own_ops
+
+
+# Reading the deprecated name still works (set after the class is made: the dataclass's
+# ``__init__`` already holds the InitVar's default).
+CompilerConfig.native_kernels = property(_native_kernels)  # type: ignore[assignment]

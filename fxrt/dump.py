@@ -1,9 +1,15 @@
 """``FXRT_DUMP_DIR``: write what each compiled graph went through, one folder per graph.
 
-Files, in order: ``00_input_fx.txt`` (the FX graph fxrt received), ``01_after_pre_pass_fx.txt``
-(if a user pre pass ran), ``NN_after_<pass>.txt`` (the IR after each built-in pass),
-``after_post_pass_fx.txt`` (if a user post pass ran), ``ir.txt`` (the final IR), ``program.txt``
-(the listing, with its FREEs) and ``ir.dot`` (the IR as a Graphviz graph).
+Files, numbered in the order of the compile pipeline's stages (:mod:`fxrt.pipeline`, whose
+manager writes them): ``00_input_fx.txt`` (the FX graph fxrt received), ``01_after_pre_pass_fx.txt``
+(if a user pre pass ran), ``NN_after_from_fx.txt`` and ``NN_after_apply_kernel_overrides.txt``
+(the IR), ``NN_after_<pass>.txt`` (the IR after each built-in pass), ``NN_after_post_pass_fx.txt``
+(if a user post pass ran: the FX graph it left), ``NN_after_use_own_ops.txt`` (the IR),
+``NN_after_plan_lifetimes.txt`` (live bytes and FREEs per node), ``NN_after_plan_arena.txt`` (the
+arena's slots) and ``NN_after_lower.txt`` (the lowered program). Then, unnumbered: ``ir.txt``
+(the final IR), ``program.txt`` (the listing as the chosen loop runs it, with its FREEs) and
+``ir.dot`` (the IR as a Graphviz graph). A cache hit writes ``00_input_fx.txt``,
+``cache_hit.txt`` and those three.
 """
 
 from __future__ import annotations

@@ -32,8 +32,10 @@ import torch
 
 from .artifact import ArtifactError, TensorRecord, decode_tensor, encode_tensor
 from .exec.plan import Plan, plan_lifetimes
+from .fingerprint import source_hash
 from .ir.graph import Graph, Node, Op, OpKind, Ref, TensorMeta, Value, ValueKind
 from .ir.verify import VerificationError, verify
+from .passes import PassRecord
 
 FORMAT = "fxrt-artifact/2"
 
@@ -195,8 +197,9 @@ def encode_graph(
 
 
 def versions() -> dict[str, str]:
+    """What an artifact (and a cache key) was made by: fxrt's version and the hash of its
+    sources (:func:`fxrt.fingerprint.source_hash`), and torch's version."""
     from . import __version__
-    from .cache import source_hash
 
     return {"fxrt": __version__, "fxrt_source": source_hash(), "torch": torch.__version__}
 
@@ -385,8 +388,6 @@ class _Reader:
             tf = n["trace_from"]
             traces.append(None if tf is None else _int(tf, f"{where} trace_from", 0))
         g.output = self.arg(doc["output"], "graph output")
-        from .passes import PassRecord
-
         records = []
         for r in _want(doc["passes"], list, "passes"):
             if not isinstance(r, list) or len(r) != 3:

@@ -1,4 +1,4 @@
-"""Kernel libraries, custom ops and kernel overrides (fxrt.ops.kernels), on both loops.
+"""Kernel libraries, custom ops and kernel overrides (fxrt.ops.overrides), on both loops.
 
 A small C++ op library is built once per source/torch version with
 ``torch.utils.cpp_extension.load`` (~30 s the first time) into a cached directory
@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
 from fxrt import cache
-from fxrt.ops import kernels
+from fxrt.ops import overrides
 
 LIBRARY_SOURCE = r"""
 #include <ATen/ATen.h>
@@ -128,7 +128,7 @@ def library() -> str:
 @pytest.fixture(autouse=True)
 def _restore_overrides(monkeypatch):
     """Each test starts with no overrides and leaves none behind."""
-    monkeypatch.setattr(kernels, "_overrides", kernels.MappingProxyType({}))
+    monkeypatch.setattr(overrides, "_overrides", overrides.MappingProxyType({}))
 
 
 def _compile(fn, inputs, executor, **config):
@@ -158,12 +158,12 @@ def test_load_kernel_library_reports_ops_and_overrides(library):
     assert lib.path == os.path.abspath(library)
     assert {"fxrt_test::scaled_add", "fxrt_test::gelu_counted"} <= set(lib.ops)
     assert lib.overrides == (("aten::gelu", "fxrt_test::gelu_counted"),)
-    o = kernels.kernel_overrides()["aten::gelu"]
+    o = overrides.kernel_overrides()["aten::gelu"]
     assert o.target is torch.ops.fxrt_test.gelu_counted.default and o.source == lib.path
     # Loading again is harmless: same ops, and the entry point declares its overrides again.
     fxrt.unregister_kernel("aten::gelu")
     again = fxrt.load_kernel_library(Path(library))
-    assert again.ops == lib.ops and "aten::gelu" in kernels.kernel_overrides()
+    assert again.ops == lib.ops and "aten::gelu" in overrides.kernel_overrides()
 
 
 def test_library_op_runs_natively(library, executor):
@@ -229,7 +229,7 @@ def test_registry_changes_the_cache_key(library, tmp_path):
     x = torch.randn(8)
     gm = make_fx(lambda x: F.gelu(x))(x)
     cfg = fxrt.CompilerConfig(  # fxrt's own gelu off: the graph keeps aten::gelu
-        pure_python=True, cache=True, cache_dir=str(tmp_path), native_kernels=False
+        pure_python=True, cache=True, cache_dir=str(tmp_path), own_ops=False
     )
     plain = fxrt.compile_graph(gm, [x], cfg)
     assert "aten::gelu(" in str(plain.program)
@@ -344,7 +344,7 @@ def test_unregister_restores_the_aten_kernel(executor):
     removed = fxrt.unregister_kernel(torch.ops.aten.gelu.default)
     assert removed is not None and removed.op == "aten::gelu"
     assert fxrt.unregister_kernel("aten::gelu") is None
-    cg = _compile(F.gelu, (x,), executor, native_kernels=False)  # not fxrt's own gelu
+    cg = _compile(F.gelu, (x,), executor, own_ops=False)  # not fxrt's own gelu
     assert "aten::gelu(" in str(cg.program)
     torch.testing.assert_close(cg(x), F.gelu(x))
 
@@ -379,7 +379,7 @@ def test_override_schema_mismatch(library):
     # An in-place op is not an override for its functional form, even with equal types.
     with pytest.raises(ValueError, match="schema does not match"):
         fxrt.register_kernel("aten::relu", "aten::relu_")
-    assert kernels.kernel_overrides() == {}
+    assert overrides.kernel_overrides() == {}
 
 
 def test_override_errors():
@@ -391,4 +391,4 @@ def test_override_errors():
         fxrt.register_kernel("aten::gelu", lambda x, mode: x)  # `approximate` is keyword-only
     with pytest.raises(TypeError, match="impl must be"):
         fxrt.register_kernel("aten::gelu", 3)
-    assert kernels.kernel_overrides() == {}
+    assert overrides.kernel_overrides() == {}

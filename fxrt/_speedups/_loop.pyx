@@ -30,7 +30,7 @@ cdef extern from "loop.h" namespace "fxrt":
 
 
 # fxrt's own CPU ops (fxrt::gelu...), registered with the dispatcher when this module loads.
-cdef extern from "kernels.h":
+cdef extern from "own_ops.h":
     pass
 
 

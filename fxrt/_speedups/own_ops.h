@@ -1,5 +1,5 @@
 // fxrt's own ops for CPU calls where ATen's kernel choice costs more host time than the math
-// (fxrt/ops/native_kernels.py rewrites graphs to them). Each computes what the ATen op computes,
+// (fxrt/ops/own_ops.py rewrites graphs to them). Each computes what the ATen op computes,
 // with one of ATen's own CPU kernels, and calls the ATen op itself whenever its fast path does not
 // apply, so autograd, dispatch modes, subclasses and other devices see exactly the ATen op.
 //

@@ -1,8 +1,8 @@
 """Buffer lifetime planning.
 
-1. Alias sets: union-find over values. A node output joins the set of every input it may alias
-   (views, in-place results; see :mod:`fxrt.ops.aliasing`), so a base and all of its views form one
-   set that shares one storage lifetime.
+1. Alias sets, from :func:`fxrt.ops.aliasing.alias_sets` (an analysis of the IR the passes use
+   too): a node output joins the set of every input it may alias (views, in-place results), so a
+   base and all of its views form one set that shares one storage lifetime.
 2. Last use: for every value, the index of the last node that reads it (its defining node if none
    does). A set's last use is the latest over its members.
 3. FREEs: right after a set's last use, every register of the set is released. Sets that hold a
@@ -24,7 +24,7 @@ import sympy
 import torch
 
 from ..ir.graph import Graph, ValueKind, refs_in
-from ..ops.aliasing import is_collective, output_aliases
+from ..ops.aliasing import alias_sets, is_collective
 
 
 @dataclass(frozen=True)
@@ -57,65 +57,34 @@ class Plan:
             out.append(int(expr))
         return out
 
-
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
-def _alias_sets(graph: Graph, last: list[int] | None = None) -> tuple[_UnionFind, set[int]]:
-    """Step 1 of the module docstring, the alias sets (a union-find over value ids whose
-    representative is each set's smallest id, whatever the order of the unions), and the roots
-    of step 4; with ``last``, also step 2, each value's last use, filled in place in the same
-    walk over the nodes."""
-    uf = _UnionFind(len(graph.values))
-    roots: set[int] = set()
-    by_storage: dict[int, int] = {}  # constants that share a storage (a folded view) share a set
-    for vid, obj in graph.constants.items():
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.numel():
-            uf.union(vid, by_storage.setdefault(obj.untyped_storage().data_ptr(), vid))
-    for i, node in enumerate(graph.nodes):
-        if last is not None:
-            for vid in node.input_ids():
-                last[vid] = i
-        for vid, aliases in zip(node.outputs, output_aliases(graph, node)):
-            if last is not None:
-                last[vid] = max(last[vid], i)
-            for a in aliases:
-                uf.union(vid, a)
-            if not aliases:
-                roots.add(vid)
-    return uf, roots
-
-
-def alias_roots(graph: Graph) -> tuple[int, ...]:
-    """``plan_lifetimes(graph).alias_root`` without the rest of the plan: per value id, the
-    representative of its alias set. What the passes need, at a fraction of a plan's cost."""
-    uf, _ = _alias_sets(graph)
-    return tuple(uf.find(v) for v in range(len(graph.values)))
+    def text(self, names: dict[int, str] | None = None) -> str:
+        """Per node index, the bytes live after it and the values released after it."""
+        name = (lambda v: f"%{names[v]}") if names else (lambda v: f"%{v}")
+        bound = "" if self.exact else " (a lower bound: some sizes are unknown)"
+        lines = [f"plan: peak {self.peak_bytes} bytes{bound}, {len(self.pinned)} values pinned"]
+        for i, (live, freed) in enumerate(zip(self.live_bytes, self.frees)):
+            free = ("  FREE " + ", ".join(map(name, freed))) if freed else ""
+            lines.append(f"  {i:>4}  live {live}{free}")
+        return "\n".join(lines)
 
 
 def plan_lifetimes(graph: Graph) -> Plan:
     """Compute the lifetime plan of ``graph`` (see the module docstring)."""
     n = len(graph.values)
+    sets = alias_sets(graph)
+    root_of, roots = sets.root, sets.fresh
     last = [-1] * n
-    uf, roots = _alias_sets(graph, last)
+    for i, node in enumerate(graph.nodes):
+        for vid in node.input_ids():
+            last[vid] = i
+        for vid in node.outputs:
+            if last[vid] < i:
+                last[vid] = i
 
     members: dict[int, list[int]] = {}
     for vid in range(n):
-        members.setdefault(uf.find(vid), []).append(vid)
-    pinned_roots = {uf.find(v) for v in (*graph.inputs, *graph.constants, *refs_in(graph.output))}
+        members.setdefault(root_of[vid], []).append(vid)
+    pinned_roots = {root_of[v] for v in (*graph.inputs, *graph.constants, *refs_in(graph.output))}
     pinned = frozenset(v for r in pinned_roots for v in members[r])
 
     frees: list[list[int]] = [[] for _ in graph.nodes]
@@ -145,7 +114,7 @@ def plan_lifetimes(graph: Graph) -> Plan:
             elif isinstance(size, str):
                 size = sympy.sympify(size)
             born[i] += size
-            end = free_at.get(uf.find(vid))
+            end = free_at.get(root_of[vid])
             if end is not None:
                 died[end] += size
     live: list[Any] = []
@@ -159,7 +128,7 @@ def plan_lifetimes(graph: Graph) -> Plan:
 
     return Plan(
         last_use=tuple(last),
-        alias_root=tuple(uf.find(v) for v in range(n)),
+        alias_root=root_of,
         pinned=pinned,
         frees=tuple(tuple(f) for f in frees),
         roots=frozenset(roots),

@@ -46,7 +46,7 @@ import torch
 
 from ..ir.graph import Graph, Op, OpKind, Ref, refs_in
 from ..ir.printer import format_arg, format_call
-from .arena import ArenaPlan, arena_call
+from .arena import ArenaPlan
 from .guards import CallGuards
 from .inputs import InputSpec, input_specs
 from .plan import Plan
@@ -227,7 +227,7 @@ def lower(
     slot_of = arena.slot_of() if arena is not None else {}
     for i, node in enumerate(graph.nodes):
         infos.append(NodeInfo(node.name, node.op.name, node.stack_trace))
-        code.append(_instruction(graph, i, slot_of, i in views))
+        code.append(_instruction(graph, arena, slot_of, i, i in views))
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     constants = tuple(graph.constants.items())
@@ -252,7 +252,9 @@ def lower(
     )
 
 
-def _instruction(graph: Graph, i: int, slot_of: dict[int, int], inline_view: bool) -> Instr:
+def _instruction(
+    graph: Graph, arena: ArenaPlan | None, slot_of: dict[int, int], i: int, inline_view: bool
+) -> Instr:
     node = graph.nodes[i]
     args = (i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
     if node.op.kind is not OpKind.ATEN:
@@ -262,12 +264,13 @@ def _instruction(graph: Graph, i: int, slot_of: dict[int, int], inline_view: boo
         return PyCall(*args)
     slot = slot_of.get(node.outputs[0], -1)
     name = node.op.name
-    if slot >= 0:
-        out = arena_call(graph, node)
-        if out is not None and out[0] is None:
+    if slot >= 0:  # plan_arena decided how the node writes its slot (arena_call)
+        s = arena.slots[slot]
+        if s.out_target is None:
             return Alloc(*args, slot=slot, cpu=_cpu_empty_strided(name, node.args, node.kwargs))
-        if out is not None:
-            return OutCall(*args, slot=slot, out_target=out[0], out_args=out[1], out_kwargs=out[2])
+        return OutCall(
+            *args, slot=slot, out_target=s.out_target, out_args=s.out_args, out_kwargs=s.out_kwargs
+        )
     if name == "aten::empty_strided" and _cpu_empty_strided(name, node.args, node.kwargs):
         return Alloc(*args, cpu=True)
     view = _view_form(name, node.args, node.kwargs, node.multi)

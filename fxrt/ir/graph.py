@@ -7,6 +7,9 @@ only the ``Graph`` and its ``Node`` objects.
 
 Node arguments keep the shape of the FX arguments they came from: Python constants, :class:`Ref`
 to a value, and lists/tuples of those (a ``Tensor[]`` argument such as ``cat``'s is a list of refs).
+
+This module is the bottom of the package: it imports nothing else of fxrt. The text form of a
+graph is :func:`fxrt.ir.graph_to_text` (:mod:`fxrt.ir.printer`), which reads these classes.
 """
 
 from __future__ import annotations
@@ -156,11 +159,6 @@ class Graph:
 
     def output_ids(self) -> list[int]:
         return refs_in(self.output)
-
-    def __str__(self) -> str:
-        from .printer import graph_to_text
-
-        return graph_to_text(self)
 
 
 def refs_in(tree: Any) -> list[int]:

@@ -1,5 +1,6 @@
-"""Op-level knowledge: schema binding and alias analysis."""
+"""Op-level knowledge: schema binding and alias analysis (per node and per graph), user kernel
+overrides (:mod:`.overrides`), fxrt's own CPU ops (:mod:`.own_ops`), Inductor's reinterpret op."""
 
-from .aliasing import bind_schema_args, is_mutating, output_aliases
+from .aliasing import AliasSets, alias_sets, bind_schema_args, is_mutating, output_aliases
 
-__all__ = ["bind_schema_args", "is_mutating", "output_aliases"]
+__all__ = ["AliasSets", "alias_sets", "bind_schema_args", "is_mutating", "output_aliases"]

@@ -1,14 +1,22 @@
-"""Which node outputs may share storage with which node inputs.
+"""Alias analysis: which values may share storage, per node and for a whole graph.
 
-For an ATen op the answer comes from its schema's alias annotations: an output annotated
-``Tensor(a)`` (a view) or ``Tensor(a!)`` (an in-place result) aliases every argument annotated
-with the same set ``a``; a ``Tensor(a)[]`` return aliases it element by element. For a Python
-fallback (higher-order ops included) nothing is known, so every output is assumed to alias every
-tensor-like input.
+Per node (:func:`output_aliases`): for an ATen op the answer comes from its schema's alias
+annotations: an output annotated ``Tensor(a)`` (a view) or ``Tensor(a!)`` (an in-place result)
+aliases every argument annotated with the same set ``a``; a ``Tensor(a)[]`` return aliases it
+element by element. For a Python fallback (higher-order ops included) nothing is known, so every
+output is assumed to alias every tensor-like input.
+
+Per graph (:func:`alias_sets`): a union-find over value ids. A node output joins the set of every
+input it may alias, and constants that share a storage (a folded view and its base) share a set,
+so a base and all of its views form one set. Each set is named by its smallest value id, whatever
+the order of the unions. An output that aliases none of its node's inputs is a *fresh* storage.
+The lifetime planner (:mod:`fxrt.exec.plan`) and the passes (:mod:`fxrt.passes.analysis`) both
+read the sets from here: an analysis of the IR, computed once per pass or plan.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,3 +105,45 @@ def is_mutating(node: Node) -> bool:
     if node.op.kind is not OpKind.ATEN:
         return True
     return node.op.schema.is_mutable
+
+
+@dataclass(frozen=True)
+class AliasSets:
+    """The alias sets of a graph's values (see the module docstring)."""
+
+    root: tuple[int, ...]  # per value id: its set's representative, the set's smallest id
+    fresh: frozenset[int]  # node outputs that alias none of their node's inputs: new storages
+
+
+class _UnionFind:
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def alias_sets(graph: Graph) -> AliasSets:
+    """The alias sets of ``graph``'s values and its fresh storages, in one walk over the nodes."""
+    uf = _UnionFind(len(graph.values))
+    fresh: set[int] = set()
+    by_storage: dict[int, int] = {}  # constants that share a storage (a folded view) share a set
+    for vid, obj in graph.constants.items():
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and obj.numel():
+            uf.union(vid, by_storage.setdefault(obj.untyped_storage().data_ptr(), vid))
+    for node in graph.nodes:
+        for vid, aliases in zip(node.outputs, output_aliases(graph, node)):
+            for a in aliases:
+                uf.union(vid, a)
+            if not aliases:
+                fresh.add(vid)
+    find = uf.find
+    return AliasSets(tuple(find(v) for v in range(len(graph.values))), frozenset(fresh))

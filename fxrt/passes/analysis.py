@@ -1,12 +1,18 @@
-"""Facts passes share: uses of each value, which alias sets are ever written, which ops are pure."""
+"""Facts passes share: which ops are pure or have side effects, which values a node writes, which
+alias sets are ever written or returned, and how to redirect uses of a value.
+
+Alias sets come from :func:`fxrt.ops.aliasing.alias_sets`, an analysis of the IR (the lifetime
+planner reads the same sets); a pass computes them once, at its start, with :func:`alias_roots`,
+and hands them to :func:`mutated_alias_roots` and :func:`output_alias_roots`. Nothing here (or in
+any pass) depends on the planner, the arena or the lowering.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..exec.plan import alias_roots as _alias_roots
 from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in, substitute_refs
-from ..ops.aliasing import bind_schema_args, is_collective
+from ..ops.aliasing import alias_sets, bind_schema_args, is_collective
 
 
 def is_pure(node: Node) -> bool:
@@ -64,9 +70,9 @@ def mutated_alias_roots(graph: Graph, root: tuple[int, ...] | None = None) -> se
 
 
 def alias_roots(graph: Graph) -> tuple[int, ...]:
-    """Per value id, the representative of its alias set (``Plan.alias_root``). A pass computes
-    it once, at its start, and hands it to ``mutated_alias_roots`` and ``output_alias_roots``."""
-    return _alias_roots(graph)
+    """Per value id, the representative of its alias set (``Plan.alias_root`` is the same). A
+    pass computes it once, at its start: it walks the whole graph."""
+    return alias_sets(graph).root
 
 
 def output_alias_roots(graph: Graph, root: tuple[int, ...]) -> set[int]:

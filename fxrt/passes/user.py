@@ -5,6 +5,10 @@ fields) are called as ``fn(gm, example_inputs, config)`` on the ATen-level FX Gr
 and after fxrt's built-in passes, and edit ``gm.graph`` in place. Node metadata (``meta["val"]``)
 is recomputed after a user pass on fake copies of the example inputs, so nodes the pass added
 get types too.
+
+Both are stages of the compile pipeline (:mod:`fxrt.pipeline`): the pre pass runs on the FX graph
+fxrt was handed, before its conversion to IR; the post pass on the IR turned back into FX
+(:func:`fxrt.ir.to_fx.to_fx`), whose result is converted again. Only these two stages use FX.
 """
 
 from __future__ import annotations

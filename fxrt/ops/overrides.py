@@ -1,4 +1,4 @@
-"""Kernel libraries and kernel overrides: new ops reach fxrt without changes to the runtime.
+"""User kernel overrides and kernel libraries: new ops reach fxrt without changes to the runtime.
 
 Three ways in, none of which touches the loops:
 
@@ -14,10 +14,11 @@ Three ways in, none of which touches the loops:
 * **Overrides.** :func:`register_kernel` routes an op (``aten::gelu``) to another registered op
   with the same argument and return types, or to a Python callable, *inside graphs fxrt compiles*.
   Eager PyTorch is unaffected: nothing is registered with the dispatcher. The rewrite happens once
-  per compile, in :func:`apply_kernel_overrides`, which ``compiler._compile`` calls on the fresh IR
-  before the passes: an ATen node whose op has an override gets the replacement op (its arguments
-  re-bound to the replacement's schema by position, so argument names may differ) or, for a
-  callable, becomes a Python fallback node calling it. The compile cache key includes
+  per compile, in :func:`apply_kernel_overrides`, the compile pipeline's stage right after the
+  conversion to IR (:mod:`fxrt.pipeline`), before the built-in passes: an ATen node whose op has
+  an override gets the replacement op (its arguments re-bound to the replacement's schema by
+  position, so argument names may differ) or, for a callable, becomes a Python fallback node
+  calling it. The compile cache key includes
   :func:`registry_fingerprint`, so changing the registry never serves a graph compiled under the
   old one. Overrides are not chained: the replacement op is not looked up again.
 
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..fingerprint import fingerprint
 from ..ir.graph import Graph, Op, OpKind, callable_name
 
 ENTRY_POINT = "fxrt_register_kernels"
@@ -75,11 +77,9 @@ class KernelOverride:
 
     def describe(self) -> str:
         """A stable text for the cache key: the replacement's name and schema, or for a Python
-        function its fingerprint (code, closure, globals; raises ``fxrt.cache.Unkeyable``)."""
+        function its fingerprint (code, closure, globals; raises ``fxrt.fingerprint.Unkeyable``)."""
         if self.is_op:
             return f"op:{self.target._schema}"
-        from ..cache import fingerprint
-
         return f"python:{callable_name(self.target)}:{fingerprint(self.target)}"
 
 

@@ -1,11 +1,11 @@
-"""fxrt's own CPU ops, used in fxrt graphs where ATen's kernel choice costs more host time than
-the math.
+"""fxrt's own CPU ops ("own ops"), used in fxrt graphs where ATen's kernel choice costs more host
+time than the math.
 
-The compiled extension (``fxrt/_speedups/kernels.h``) registers them with the dispatcher when it
-loads. Each has its ATen op's schema and computes what the ATen op computes with one of ATen's
-own CPU kernels; it calls the ATen op itself whenever its fast path does not apply (another
-device or dtype, a large or non-contiguous input, autograd recording, a dispatch mode, a tensor
-subclass), so nothing but the fast path differs from eager.
+The compiled extension (``fxrt/_speedups``) registers them with the dispatcher when it loads,
+as ``fxrt::*`` ops. Each has its ATen op's schema and computes what the ATen op computes with one
+of ATen's own CPU kernels; it calls the ATen op itself whenever its fast path does not apply
+(another device or dtype, a large or non-contiguous input, autograd recording, a dispatch mode, a
+tensor subclass), so nothing but the fast path differs from eager.
 
 * ``fxrt::gelu``: ``aten::gelu`` (``approximate='none'``) on a contiguous float32 CPU tensor of at
   most 8192 elements runs ATen's vectorized ``GeluKernel`` instead of oneDNN's eltwise primitive,
@@ -18,10 +18,12 @@ subclass), so nothing but the fast path differs from eager.
   into one result, or into the arena through its ``out=`` overload; results are eager's, bit for
   bit.
 
-:func:`use_native_kernels` rewrites a graph's nodes to these ops; the compiler runs it after
-:func:`fxrt.ops.kernels.apply_kernel_overrides` (a user's override wins) unless
-``CompilerConfig(native_kernels=False)`` (``FXRT_NATIVE_KERNELS=0``). Without the extension the
-ops do not exist and graphs keep the ATen ops.
+:func:`use_own_ops` rewrites a graph's nodes to these ops. It is a stage of the compile pipeline
+(:mod:`fxrt.pipeline`) that runs last among the graph rewrites, after the user's post pass, so
+user passes see ATen ops and a user's override (:mod:`fxrt.ops.overrides`) wins; it is off with
+``CompilerConfig(own_ops=False)`` (``FXRT_OWN_OPS=0``). Without the extension the ops do not
+exist and graphs keep the ATen ops. ("Native" in fxrt means the compiled loop, which runs any
+op without Python, ATen's and these alike.)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..ir.graph import Graph, Op, OpKind
 # ATen op -> fxrt op, for nodes whose (first) result is a float32 CPU tensor. ``gelu`` has
 # aten::gelu's schema; ``layer_norm`` takes native_layer_norm's arguments (``normalized_shape``
 # static) and returns only its first result.
-NATIVE_KERNELS: dict[str, str] = {"aten::gelu": "gelu", "aten::native_layer_norm": "layer_norm"}
+OWN_OPS: dict[str, str] = {"aten::gelu": "gelu", "aten::native_layer_norm": "layer_norm"}
 
 
 def available() -> dict[str, torch._ops.OpOverload]:
@@ -43,13 +45,13 @@ def available() -> dict[str, torch._ops.OpOverload]:
     if not extension_status().usable:  # loading the extension registers the ops
         return {}
     ops = {}
-    for aten_name, name in NATIVE_KERNELS.items():
+    for aten_name, name in OWN_OPS.items():
         if torch._C._dispatch_has_kernel(f"fxrt::{name}"):
             ops[aten_name] = getattr(torch.ops.fxrt, name).default
     return ops
 
 
-def use_native_kernels(graph: Graph) -> Graph:
+def use_own_ops(graph: Graph) -> Graph:
     """Rewrite the nodes of ``graph`` that have an fxrt op (in place); return the graph."""
     ops = available()
     if not ops:
@@ -76,4 +78,4 @@ def use_native_kernels(graph: Graph) -> Graph:
     return graph
 
 
-__all__ = ["NATIVE_KERNELS", "available", "use_native_kernels"]
+__all__ = ["OWN_OPS", "available", "use_own_ops"]
