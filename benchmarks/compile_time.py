@@ -8,11 +8,10 @@ runs with the verifier on (``CompilerConfig(verify=True)``) and the compile cach
 run does the whole pipeline, in the default loop (C++ when built).
 
 Reported per size, as a markdown table: the median over ``--repeats`` compiles of the total and of
-each stage, in seconds. The passes' times are their ``PassRecord.seconds`` (the pass plus its
-verification); ``pass mgr`` is what ``run_passes`` spends around them (deciding whether each pass
-changed the graph). The other stages are timed by wrapping the functions ``fxrt.compiler`` calls:
-conversion (``from_fx``), the IR verifier, ``plan_lifetimes``, ``inline_views``, ``plan_arena``,
-``verify_arena`` and ``lower``. ``other`` is the total less all of them (kernel overrides, the
+each stage of the compile pipeline (``fxrt.pipeline``), in seconds: the stage's
+``PassRecord.seconds`` in ``CompiledGraph.stage_records``, which include its check (the IR
+verifier after a stage that changed the graph, ``verify_arena`` after ``plan_arena``).
+``other`` is the total less all stages (the pipeline manager's snapshots and records, the
 executor's construction). ``gc`` is the time the cyclic garbage collector ran during the compile,
 inside whichever stages it interrupted (already counted in them): a full collection walks every
 live object, the traced FX graph's included, so it adds lumps that grow with the heap, not with
@@ -25,7 +24,6 @@ Usage: python benchmarks/compile_time.py [--sizes 1000 3000 6000 15000] [--repea
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import statistics
 import time
@@ -37,49 +35,23 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
-import fxrt.compiler as compiler
 import fxrt.passes
 
-# The functions of fxrt.compiler timed as stages.
-STAGES = (
-    "from_fx",
-    "verify",
-    "run_passes",
-    "plan_lifetimes",
-    "inline_views",
-    "plan_arena",
-    "verify_arena",
-    "lower",
-)
-PASSES = fxrt.passes.LEVELS[2]  # the default pipeline, in order
+PASSES = fxrt.passes.LEVELS[2]  # the default built-in passes, in order
 COLUMNS = (
     "total",
     "from_fx",
-    "verify",
+    "apply_kernel_overrides",
     *PASSES,
-    "pass mgr",
+    "use_own_ops",
     "plan_lifetimes",
-    "inline_views",
     "plan_arena",
-    "verify_arena",
     "lower",
     "other",
     "gc",
 )
 
 spent: dict[str, float] = defaultdict(float)  # stage -> seconds in the current compile
-
-
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[name] += time.perf_counter() - t0
-
-    return wrapper
 
 
 _gc_started = 0.0
@@ -94,10 +66,6 @@ def _gc_timer(phase: str, info: dict[str, Any]) -> None:
 
 
 def install_timers() -> None:
-    # Patching the names in fxrt.compiler times only the pipeline's own calls: the passes import
-    # what they use into their own modules, so their internal calls stay in the pass times.
-    for name in STAGES:
-        setattr(compiler, name, timed(name, getattr(compiler, name)))
     gc.callbacks.append(_gc_timer)
 
 
@@ -118,9 +86,8 @@ def compile_once(gm: torch.fx.GraphModule, x: torch.Tensor) -> dict[str, float]:
     total = time.perf_counter() - t0
     row = dict(spent)
     row.setdefault("gc", 0.0)
-    for r in cg.pass_records:
+    for r in cg.stage_records:
         row[r.name] = row.get(r.name, 0.0) + r.seconds
-    row["pass mgr"] = row.pop("run_passes", 0.0) - sum(r.seconds for r in cg.pass_records)
     row["other"] = total - sum(v for k, v in row.items() if k != "gc")
     row["total"] = total
     return row

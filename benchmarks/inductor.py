@@ -20,6 +20,15 @@ Two views per workload:
 Speedups are Inductor's time over the competitor's (above 1: faster than Inductor alone). The
 machines this runs on are shared and noisy: read ratios, not absolute times.
 
+Input checks, like for like: Inductor's Python wrapper starts with an ``assert_size_stride`` per
+graph input (sizes, and strides of dimensions of size above 1; 17 on W2). The FX host graph drops
+those lines, and fxrt's compiled loop checks the same inputs itself on every call
+(``check_inputs``, on by default: dtype, device, rank, sizes, and strides of dimensions of size
+above 1, in C++), a superset of the asserts. So ``inductor`` and ``inductor+fxrt`` both check their
+inputs. ``inductor[no asserts]`` is Inductor compiled with ``size_asserts=False`` (no input checks)
+and ``inductor+fxrt[unchecked]`` is fxrt with ``check_inputs=False``: the two figures without
+checks, for comparison.
+
 Usage: python benchmarks/inductor.py [--rounds N] [--only W2,W3] [--clock wall|cpu]
                                      [--python-loop] [--md out.md]
 """
@@ -107,14 +116,20 @@ def compile_competitors(
 ) -> dict[str, tuple[Callable, Callable]]:
     """name -> (full call, host-only call); each competitor compiles its own copy of the model
     (parameters shared, see :func:`_sharing_parameters`)."""
-    variants: list[tuple[str, fxrt.CompilerConfig | None]] = [
-        ("inductor", None),
-        ("inductor+fxrt", fxrt.CompilerConfig(pure_python=False)),
+    variants: list[tuple[str, fxrt.CompilerConfig | None, bool]] = [  # (name, fxrt, asserts)
+        ("inductor", None, True),
+        ("inductor[no asserts]", None, False),
+        ("inductor+fxrt", fxrt.CompilerConfig(pure_python=False), True),
+        (
+            "inductor+fxrt[unchecked]",
+            fxrt.CompilerConfig(pure_python=False, check_inputs=False),
+            True,
+        ),
     ]
     if python_loop:
-        variants.append(("inductor+fxrt[py]", fxrt.CompilerConfig(pure_python=True)))
+        variants.append(("inductor+fxrt[py]", fxrt.CompilerConfig(pure_python=True), True))
     compiled: dict[str, tuple[Callable, Any]] = {}
-    for name, config in variants:
+    for name, config, size_asserts in variants:
         entry = fresh_entry(_sharing_parameters(model), f"{wname}: {name}")
         if config is not None:
             fxrt.register_fx_wrapper(config)
@@ -122,7 +137,7 @@ def compile_competitors(
             # Compile for real (no FX-graph or AOTAutograd cache hit) so the module is captured.
             with (
                 capturing_modules() as mods,
-                torch._inductor.config.patch(fx_graph_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False, size_asserts=size_asserts),
                 torch._functorch.config.patch(enable_autograd_cache=False),
             ):
                 fn = torch.compile(entry)
@@ -212,7 +227,9 @@ def markdown(results: dict[str, dict[str, float]], clock: str) -> str:
     lines.append(
         f"Median over interleaved rounds of the mean µs per call ({clock} clock); speedup = "
         "inductor / competitor (above 1: faster than Inductor alone). full: the torch.compile'd "
-        "module; host: the compiled module's call(args) alone."
+        "module; host: the compiled module's call(args) alone. inductor runs its "
+        "assert_size_stride input checks and inductor+fxrt fxrt's own (a superset); "
+        "[no asserts] and [unchecked] are the same without them."
     )
     return "\n".join(lines)
 

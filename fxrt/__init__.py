@@ -4,7 +4,8 @@ Use it as a ``torch.compile`` backend::
 
     compiled = torch.compile(model, backend="fxrt")
 
-or compile an ATen-level FX graph directly with :func:`compile_graph`.
+or compile an ATen-level FX graph directly with :func:`compile_graph`, or deploy without Dynamo:
+``fxrt.export(model, args).save("model.fxrt")`` and ``fxrt.load("model.fxrt")``.
 
 The public names are imported on first use, so that ``python -m fxrt cache list`` answers
 without importing torch; ``import fxrt`` followed by any attribute access loads them all.
@@ -27,13 +28,16 @@ _PUBLIC = {
     "CompilerConfig": ".config",
     "ExecutionError": ".errors",
     "InputError": ".exec.inputs",
+    "export": ".deploy",
+    "load": ".deploy",
+    "PackageError": ".deploy",
     "get_fused_kernel_payload": ".inductor",
     "register_fused_kernel": ".inductor",
     "register_fx_wrapper": ".inductor",
     "unregister_fx_wrapper": ".inductor",
-    "load_kernel_library": ".ops.kernels",
-    "register_kernel": ".ops.kernels",
-    "unregister_kernel": ".ops.kernels",
+    "load_kernel_library": ".ops.overrides",
+    "register_kernel": ".ops.overrides",
+    "unregister_kernel": ".ops.overrides",
     "Profile": ".profiler",
     "profile": ".profiler",
     "runtime_info": ".runtime",
@@ -44,10 +48,13 @@ __all__ = [
     "CompilerConfig",
     "ExecutionError",
     "InputError",
+    "PackageError",
     "Profile",
     "backend",
     "compile_graph",
+    "export",
     "get_compiler",
+    "load",
     "profile",
     "get_fused_kernel_payload",
     "load_kernel_library",
@@ -94,6 +101,7 @@ if TYPE_CHECKING:
     from .backend import backend
     from .compiler import CompiledGraph, compile_graph, get_compiler
     from .config import CompilerConfig
+    from .deploy import PackageError, export, load
     from .errors import ExecutionError
     from .exec.inputs import InputError
     from .inductor import (
@@ -102,6 +110,6 @@ if TYPE_CHECKING:
         register_fx_wrapper,
         unregister_fx_wrapper,
     )
-    from .ops.kernels import load_kernel_library, register_kernel, unregister_kernel
+    from .ops.overrides import load_kernel_library, register_kernel, unregister_kernel
     from .profiler import Profile, profile
     from .runtime import runtime_info

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fxrt {demo, bench, cache}``."""
+"""Command line: ``python -m fxrt {demo, bench, cache, inspect}``."""
 
 from __future__ import annotations
 
@@ -50,10 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxrt", description="fxrt command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="compile a small transformer block and compare with eager")
-    sub.add_parser("bench", help="W1-W3 host-overhead benchmark", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="W1-W3 host-overhead benchmark; writes ./bench-results/ (bench --help)",
+        add_help=False,
+    )
     c = sub.add_parser("cache", help="inspect or empty the compile cache")
     c.add_argument("action", choices=["list", "info", "clear"])
     c.add_argument("--dir", help="cache directory (default: FXRT_CACHE_DIR or ~/.cache/fxrt)")
+    i = sub.add_parser("inspect", help="describe an fxrt.export package (model.fxrt)")
+    i.add_argument("path")
+    i.add_argument("--verify", action="store_true", help="also check the weight bytes' SHA-256")
+    i.add_argument("--load", action="store_true", help="also load it here (imports torch)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from .bench import main as bench
@@ -64,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo
 
         return demo()
+    if args.command == "inspect":
+        from .deploy.inspect import main as inspect
+
+        return inspect(args.path, verify=args.verify, load=args.load)
     return _cache(args.action, args.dir)
 
 

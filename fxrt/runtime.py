@@ -26,6 +26,8 @@ def runtime_info() -> dict[str, Any]:
         executor, reason = "python", "FXRT_PURE_PYTHON=1"
     elif status.usable:
         executor, reason = "cpp", status.reason
+    elif _build_skipped() and status.path is None:
+        executor, reason = "python", "FXRT_BUILD_EXT=0: installed without the C++ extension"
     else:
         executor, reason = "python", status.reason
     return {
@@ -37,6 +39,12 @@ def runtime_info() -> dict[str, Any]:
         "native_available": status.usable,
         "pure_python": pure_python,
     }
+
+
+def _build_skipped() -> bool:
+    from . import _speedups
+
+    return _speedups.build_skipped()
 
 
 __all__ = ["runtime_info"]

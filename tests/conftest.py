@@ -25,6 +25,37 @@ os.environ.setdefault("FXRT_CACHE_DIR", tempfile.mkdtemp(prefix="fxrt-test-cache
 torch._functorch.config.error_on_custom_op_aliasing = True
 
 
+def build_ext_skipped() -> bool:
+    """Whether ``FXRT_BUILD_EXT=0`` (or false/no/off) is set: fxrt installed without its C++
+    extension on purpose, as setup.py reads the variable."""
+    return os.environ.get("FXRT_BUILD_EXT", "1").strip().lower() in {"0", "false", "no", "off"}
+
+
+def compiled_loop_problem(info: dict[str, Any], skipped_on_purpose: bool) -> str | None:
+    """Why this session must not run, given ``fxrt.runtime_info()``: the compiled loop is missing
+    (or a default compile would not pick it) and nobody chose that with ``FXRT_BUILD_EXT=0``.
+    Without this check a missing extension only skips the compiled-loop tests and the suite
+    passes on the Python loop alone."""
+    if skipped_on_purpose:
+        return None
+    if not info["native_available"]:
+        return f"the compiled loop is not available: {info['reason']}"
+    if info["executor"] != "cpp" and not info["pure_python"]:
+        return f"default compiles run on the {info['executor']} loop: {info['reason']}"
+    return None
+
+
+def pytest_sessionstart(session) -> None:
+    problem = compiled_loop_problem(fxrt.runtime_info(), build_ext_skipped())
+    if problem:
+        pytest.exit(
+            f"fxrt: {problem}. Build it (`make .venv/.fxrt`, or `pip install "
+            "--no-build-isolation -e .`), or set FXRT_BUILD_EXT=0 to test the Python loop alone "
+            "on purpose.",
+            returncode=pytest.ExitCode.TESTS_FAILED,
+        )
+
+
 def native_available() -> bool:
     info = getattr(fxrt, "runtime_info", None)
     return bool(info and info().get("native_available"))
@@ -139,6 +170,26 @@ class LoggingTensor(torch.Tensor):
 @pytest.fixture(params=EXECUTORS)
 def executor(request) -> str:
     return request.param
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "wrapper_fallback: the test expects Inductor graphs on Inductor's own wrapper"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_wrapper_fallback(request):
+    """A graph that left fxrt for Inductor's own Python wrapper (fxrt.inductor's one warning
+    line) fails the test that compiled it, unless it is marked ``wrapper_fallback``: the suite
+    checks that every wrapper Inductor emits for its models runs on fxrt."""
+    from fxrt.inductor import stats
+
+    before = stats["python_wrapper_fallbacks"]
+    yield
+    if request.node.get_closest_marker("wrapper_fallback") is None:
+        fell_back = stats["python_wrapper_fallbacks"] - before
+        assert not fell_back, f"{fell_back} Inductor graph(s) ran on Inductor's own wrapper"
 
 
 def _register_hypothesis_profiles() -> None:

@@ -108,3 +108,23 @@ def test_runtime_error_names_node_op_shapes_and_source_line(executor):
     assert "float32[4, 3]" in msg and "int64[2]" in msg
     assert "test_api.py" in msg and "return y[idx] * 2" in msg
     assert isinstance(info.value.__cause__, IndexError)
+
+
+def test_a_missing_compiled_loop_fails_the_session_unless_chosen():
+    # conftest's session check: without the extension, the compiled-loop tests would only skip.
+    from conftest import build_ext_skipped, compiled_loop_problem
+
+    built = {"executor": "cpp", "reason": "built", "native_available": True, "pure_python": False}
+    missing = {
+        "executor": "python",
+        "reason": "extension not built",
+        "native_available": False,
+        "pure_python": False,
+    }
+    assert compiled_loop_problem(built, skipped_on_purpose=False) is None
+    assert "not available: extension not built" in compiled_loop_problem(missing, False)
+    assert compiled_loop_problem(missing, skipped_on_purpose=True) is None
+    chosen = {**built, "executor": "python", "pure_python": True}  # FXRT_PURE_PYTHON=1
+    assert compiled_loop_problem(chosen, skipped_on_purpose=False) is None
+    # This session passed the check: the loop is there, or FXRT_BUILD_EXT=0 says why not.
+    assert build_ext_skipped() or compiled_loop_problem(fxrt.runtime_info(), False) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import shutil
 import types
 from collections.abc import Callable, Iterator
@@ -111,6 +112,14 @@ def _refs(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [r for x in tree for r in _refs(x)]
     return []
+
+
+def perturbed(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The same inputs with other values (floating-point ones; indices stay valid)."""
+    return tuple(
+        x * 0.75 + 0.125 if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for x in inputs
+    )
 
 
 def fresh_entry(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
@@ -280,13 +289,19 @@ def test_inductor_unchanged_without_registration():
 @pytest.mark.parametrize("name", ["W1", "W2", "W3", "convnet"])
 def test_model_matches_eager_and_runs_in_fxrt(name, executor):
     c = compiled(name, executor)
+    # Other values, made outside inference mode like the first inputs so Dynamo's guards hold.
+    other = perturbed(c.inputs)
     with torch.inference_mode():
         expected = c.eager(*c.inputs)
         torch.testing.assert_close(c.first, expected)
         with counting_host_calls() as calls:
             again = c.fn(*c.inputs)
+            got_other = c.fn(*other)
+        expected_other = c.eager(*other)
+    # ``again`` is checked after the call on other values: no result lives in reused memory.
     torch.testing.assert_close(again, expected)
-    assert calls[0] == 1, "Inductor did not call fxrt's host graph"
+    torch.testing.assert_close(got_other, expected_other)
+    assert calls[0] == 2, "Inductor did not call fxrt's host graph"
     assert len(c.host_graphs) == 1
     cg = c.host_graphs[0]
     assert cg.executor == executor
@@ -356,7 +371,13 @@ def test_loops_agree_on_the_same_program():
     finally:
         fxrt.CompiledGraph.__call__ = original
     with torch.inference_mode():
-        torch.testing.assert_close(PythonLoop(cg.program)(seen[0]), cg(seen[0]))
+        python_result = PythonLoop(cg.program)(seen[0])
+        torch.testing.assert_close(python_result, cg(seen[0]))
+        # The host graph's first output is the model's, before AOTAutograd's runtime wrapper
+        # restores the view the model returns (here a flat [16, 128] for [1, 16, 128]).
+        want = c.eager(*c.inputs)
+        assert python_result[0].numel() == want.numel()
+        torch.testing.assert_close(python_result[0].reshape(want.shape), want)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -642,6 +663,78 @@ def test_fused_kernels_from_a_device_library_run_in_fxrt(fused_library):
     assert all(k.calls == 1 for k in fused_library.built.values())
     compiled_fn(x, y)
     assert all(k.calls == 2 for k in fused_library.built.values())
+
+
+# --- a wrapper fxrt cannot run: Inductor's own wrapper for that graph --------------------------
+
+
+class PlainLineWrapper(FxrtWrapperCodegen):
+    """Writes a plain source line among the wrapper lines, as some of Inductor's codegen paths
+    do (OPT's forward wrote comment lines): Inductor's Python wrapper takes any such line, its FX
+    converter rejects it ("Found line of unrecognized type")."""
+
+    def _generate(self, is_inference):
+        self.lines.insert(0, "pass  # a plain source line")
+        return super()._generate(is_inference)
+
+
+def _fails_to_compile(gm, config):
+    raise RuntimeError("fxrt cannot compile this host graph")
+
+
+@pytest.mark.wrapper_fallback
+@pytest.mark.parametrize("cause", ["unknown wrapper line", "fxrt compile error"])
+def test_graph_fxrt_cannot_run_falls_back_to_inductors_wrapper(cause, monkeypatch, caplog):
+    from fxrt.inductor import fx_wrapper
+
+    fxrt.register_fx_wrapper()
+    if cause == "unknown wrapper line":
+        entry = inductor_common.device_codegens["cpu"]
+        monkeypatch.setitem(
+            inductor_common.device_codegens,
+            "cpu",
+            dataclasses.replace(entry, fx_wrapper_codegen=PlainLineWrapper),
+        )
+        expected_reason = "unrecognized type"
+    else:
+        monkeypatch.setattr(fx_wrapper, "compile_host_graph", _fails_to_compile)
+        expected_reason = "fxrt cannot compile this host graph"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32)).eval()
+    fallbacks = fxrt.inductor.stats["python_wrapper_fallbacks"]
+    before = {id(cg) for cg in compiled_host_graphs()}
+    fn = torch.compile(fresh_entry(model, f"fallback-{cause}"))
+    with caplog.at_level("WARNING", logger="fxrt"), capturing_modules() as mods:
+        with torch.inference_mode():
+            for _ in range(2):  # fresh inputs each call: results are eager's every time
+                x = torch.randn(3, 16)
+                torch.testing.assert_close(fn(x), model(x))
+    # Inductor's own Python wrapper module, no fxrt host graph, one log line, never an error.
+    assert len(mods) == 1 and isinstance(mods[0], types.ModuleType)
+    assert not [g for g in compiled_host_graphs() if id(g) not in before]
+    assert fxrt.inductor.stats["python_wrapper_fallbacks"] == fallbacks + 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "fxrt"]
+    assert len(lines) == 1, lines
+    assert "Inductor's own Python wrapper" in lines[0] and expected_reason in lines[0]
+
+
+@pytest.mark.wrapper_fallback
+def test_fallback_handles_symbolic_sizes(monkeypatch):
+    # The Python wrapper binds input sizes in its prologue, which the FX path never reads.
+    fxrt.register_fx_wrapper()
+    entry = inductor_common.device_codegens["cpu"]
+    monkeypatch.setitem(
+        inductor_common.device_codegens,
+        "cpu",
+        dataclasses.replace(entry, fx_wrapper_codegen=PlainLineWrapper),
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32)).eval()
+    fn = torch.compile(fresh_entry(model, "fallback-dynamic"), dynamic=True)
+    with torch.inference_mode():
+        for rows in (2, 5, 7):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(fn(x), model(x))
 
 
 # --- CUDA: Triton kernels through the same path ------------------------------------------------

@@ -1,4 +1,4 @@
-"""fxrt's own CPU ops (fxrt/ops/native_kernels.py, fxrt/_speedups/kernels.h), on both loops.
+"""fxrt's own CPU ops (fxrt/ops/own_ops.py, registered by fxrt/_speedups), on both loops.
 
 ``fxrt::gelu`` must give exactly what ATen's own GELU kernel gives (eager with oneDNN off) on
 small float32 inputs, and exactly eager's result everywhere else; ``fxrt::layer_norm`` exactly
@@ -14,11 +14,11 @@ from conftest import LoggingDispatchMode, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
-from fxrt.ops import native_kernels
+from fxrt.ops import own_ops
 
 pytestmark = [
     pytest.mark.skipif(
-        not native_kernels.available(), reason="fxrt's own ops come with the compiled extension"
+        not own_ops.available(), reason="fxrt's own ops come with the compiled extension"
     ),
     # torch.backends.mkldnn.flags() sets oneDNN's TF32 flag too, and warns that it has no effect.
     pytest.mark.filterwarnings("ignore:TF32 acceleration"),
@@ -41,10 +41,17 @@ def aten_kernel(fn, *inputs):
 
 
 def both_loops(fn, inputs, **options):
-    """fn compiled on each loop, called on ``inputs``: the two results, which must be equal."""
+    """fn compiled on each loop, called on ``inputs``: the two results, which must be equal, and
+    eager's up to GELU's documented rounding (bit for bit against ATen's own kernels)."""
     results = [compiled(fn, inputs, ex, **options)(*inputs) for ex in ("python", "cpp")]
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    torch.testing.assert_close(results[0], fn(*inputs))
+    torch.testing.assert_close(results[0], aten_kernel(fn, *inputs), rtol=0, atol=0)
     return results[0]
+
+
+def perturbed(*inputs):
+    return tuple(x * 0.75 + 0.125 for x in inputs)
 
 
 @pytest.mark.parametrize("shape", [(1, 256), (3, 5, 7), (8192,)])
@@ -87,6 +94,22 @@ def test_loops_agree_bit_for_bit():
     both_loops(lambda x, w, b: F.layer_norm(F.gelu(x), [300], w, b), (x, w, b))
 
 
+def test_results_survive_the_next_call(executor):
+    # The arena holds fxrt::gelu's and fxrt::layer_norm's results inside the graph; what the
+    # caller receives must not change when the graph runs again on other values.
+    x, w = torch.randn(4, 64), torch.randn(64)
+    fn = lambda x, w: (F.layer_norm(F.gelu(x) * 2, [64], w), F.gelu(x + 1) + 1)  # noqa: E731
+    cg = compiled(fn, (x, w), executor)
+    assert "via fxrt::gelu.out" in str(cg.program)
+    with torch.inference_mode():
+        first = cg(x, w)
+        kept = [t.clone() for t in first]
+        second = cg(*perturbed(x, w))
+    torch.testing.assert_close(list(first), kept, rtol=0, atol=0)
+    torch.testing.assert_close(first, fn(x, w))
+    torch.testing.assert_close(second, fn(*perturbed(x, w)))
+
+
 def test_gelu_under_autograd(executor):
     x = torch.randn(2, 64, requires_grad=True)
     cg = compiled(F.gelu, (x.detach(),), executor)
@@ -94,7 +117,9 @@ def test_gelu_under_autograd(executor):
     assert got.requires_grad
     got.sum().backward()
     ref = x.detach().clone().requires_grad_()
-    F.gelu(ref).sum().backward()
+    want = F.gelu(ref)
+    want.sum().backward()
+    torch.testing.assert_close(got, want)
     torch.testing.assert_close(x.grad, ref.grad)
 
 
@@ -135,13 +160,31 @@ def test_layer_norm_keeps_the_statistics_a_graph_uses(executor):
     torch.testing.assert_close(cg(x), fn(x), rtol=0, atol=0)
 
 
-def test_native_kernels_off_keeps_the_aten_ops(executor):
+def test_own_ops_off_keeps_the_aten_ops(executor):
     x = torch.randn(2, 16)
     fn = lambda x: F.layer_norm(F.gelu(x), [16])  # noqa: E731
-    cg = compiled(fn, (x,), executor, native_kernels=False)
+    cg = compiled(fn, (x,), executor, own_ops=False)
     listing = str(cg.program)
     assert "fxrt::" not in listing and "aten::gelu(" in listing
     torch.testing.assert_close(cg(x), fn(x), rtol=0, atol=0)
+
+
+def test_old_option_and_variable_names_still_work(monkeypatch):
+    """``native_kernels`` and ``FXRT_NATIVE_KERNELS`` are deprecated names of ``own_ops`` and
+    ``FXRT_OWN_OPS``: they still work, with one DeprecationWarning each per process."""
+    from fxrt import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    monkeypatch.delenv("FXRT_OWN_OPS", raising=False)
+    monkeypatch.setenv("FXRT_NATIVE_KERNELS", "0")
+    with pytest.warns(DeprecationWarning, match="FXRT_NATIVE_KERNELS is deprecated"):
+        assert not fxrt.CompilerConfig().own_ops
+    monkeypatch.delenv("FXRT_NATIVE_KERNELS")
+    with pytest.warns(DeprecationWarning, match="native_kernels is deprecated; use own_ops"):
+        cfg = fxrt.CompilerConfig.from_options(None, {"native_kernels": False})
+    assert not cfg.own_ops and not cfg.native_kernels
+    assert not fxrt.CompilerConfig(native_kernels=False).own_ops
+    assert "native_kernels" not in fxrt.CompilerConfig.option_names()
 
 
 def test_out_overload_checks_its_output():

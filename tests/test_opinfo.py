@@ -12,8 +12,15 @@ sample's tensors and run
 * compiled with fxrt and the default options: every graph must run on the loop the default selects
   (the compiled one when the extension is built and usable, else the Python one).
 
-Each compiled function is called twice, on fresh copies of the inputs (the second call runs the
-cached program and must not disturb the first call's result). For each call, the whole result
+Each compiled function is called twice, each time on fresh copies of the inputs: the first call
+on the sample's values, the second on perturbed copies (every floating-point value mapped to
+``0.75 * x + 0.125``, which keeps signs of large values, order, [-1, 1] and [0, 1] ranges and
+positive-definiteness, so the sample stays valid), compared with eager on the same perturbed
+copies. The second call runs the cached program with other values, so a result that lives in
+memory the program reuses from call to call (an arena slot) changes under the first call's
+feet, which must not happen: the first call's result is checked again, bit for bit, after the
+second. Samples whose perturbed copies eager rejects keep their values for the second call. For
+each call, the whole result
 pytree (tensors, numbers, None, torch.Size, namedtuples) and every tensor argument after the call
 (in-place and ``out=`` writes must reach the caller's tensors) must match eager with float32
 tolerances (raised to the OpInfo's own float32 CPU overrides where it has them), and so must which
@@ -365,19 +372,28 @@ def _tolerances(op: Any) -> tuple[float, float]:
     return rtol, atol
 
 
-def _copy_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _copy_tensors(tensors: Sequence[torch.Tensor], perturb: bool = False) -> list[torch.Tensor]:
     """Deep copies that keep sizes, strides, storage offsets (also overlapping ones) and which
-    tensors share a storage, so every run sees exactly the sample's inputs."""
+    tensors share a storage, so every run sees exactly the sample's inputs; with ``perturb``,
+    every floating-point (and complex) value ``x`` becomes ``0.75 * x + 0.125`` (integers and
+    bools, often indices and masks, stay as they are)."""
     storages: dict[int, torch.UntypedStorage] = {}
     out = []
     for t in tensors:
         if t.layout != torch.strided or t.is_conj() or t.is_neg():
-            out.append(t.clone())
+            c = t.clone()
+            if perturb and (c.is_floating_point() or c.is_complex()):
+                c = c * 0.75 + 0.125
+            out.append(c)
             continue
         s = t.untyped_storage()
         key = s.data_ptr() if s.nbytes() else id(t)
         if key not in storages:
             storages[key] = s.clone()
+            if perturb and (t.is_floating_point() or t.is_complex()) and s.nbytes():
+                whole = torch.empty(0, dtype=t.dtype, device=t.device)
+                whole.set_(storages[key], 0, (s.nbytes() // t.element_size(),))
+                whole.mul_(0.75).add_(0.125)  # the whole storage: views of it agree
         c = torch.empty(0, dtype=t.dtype, device=t.device)
         c.set_(storages[key], t.storage_offset(), t.size(), t.stride())
         out.append(c)
@@ -424,26 +440,26 @@ def _describe_sample(sample: Any) -> str:
     return ", ".join(parts)[:300]
 
 
-def _run(case: Case) -> tuple[Any, list[torch.Tensor]]:
-    """Run the case eagerly on fresh copies of its tensors. Returns (result, the tensor arguments
-    after the call)."""
-    args = _copy_tensors(case.tensors)
+def _run(case: Case, perturb: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    """Run the case eagerly on fresh (``perturb``: perturbed) copies of its tensors. Returns
+    (result, the tensor arguments after the call)."""
+    args = _copy_tensors(case.tensors, perturb)
     return case.fn(*args), args
 
 
 def _run_compiled(
-    case: Case, compile_with: dict[str, Any], dynamic: bool = False
+    case: Case, compile_with: dict[str, Any], dynamic: bool = False, perturb: bool = True
 ) -> list[tuple[Any, list[torch.Tensor]]]:
     """Compile the case with ``torch.compile(dynamic=dynamic, **compile_with)`` and call it twice,
-    each time on fresh copies of its tensors: the second call runs what the first one compiled,
-    and must leave the first call's result as it was. Returns both calls' (result, arguments
-    after the call)."""
+    each time on fresh copies of its tensors, the second time perturbed (unless ``perturb`` is
+    False): the second call runs what the first one compiled, on other values, and must leave
+    the first call's result as it was. Returns both calls' (result, arguments after the call)."""
     torch._dynamo.reset()  # no cache entries (or recompile counts) carried between runs
     compiled = torch.compile(case.fn, fullgraph=False, dynamic=dynamic, **compile_with)
     args = _copy_tensors(case.tensors)
     first = compiled(*args), args
     kept = _snapshot(first)
-    args = _copy_tensors(case.tensors)
+    args = _copy_tensors(case.tensors, perturb)
     second = compiled(*args), args
     assert_same(first, kept, 0.0, 0.0, "the first call's result and arguments after a second call")
     return [first, second]
@@ -778,6 +794,11 @@ def test_op(name: str, variant: str, dynamic: bool) -> None:
         except Exception as e:  # not a valid sample for this variant (e.g. in-place broadcast)
             eager_errors.append(f"sample {i}: {_first_line(e)}")
             continue
+        try:  # the second calls' inputs, and what eager gives on them
+            expected_perturbed, perturb = _run(case, perturb=True), True
+        except Exception:  # perturbed values outside the op's domain: keep the sample's
+            expected_perturbed, perturb = expected, False
+        expected_runs = (expected, expected_perturbed)
         tried += 1
         again = _run(case)
         try:
@@ -796,7 +817,7 @@ def test_op(name: str, variant: str, dynamic: bool) -> None:
         ):
             try:
                 with recording_compiles() as graphs:
-                    runs = _run_compiled(case, cfg, dynamic)
+                    runs = _run_compiled(case, cfg, dynamic, perturb)
                 rec.fxrt_graphs += len(graphs)
                 rec.fxrt_graphs_with_nodes += sum(bool(g.graph.nodes) for g in graphs)
                 _EXECUTORS.update(g.executor for g in graphs)
@@ -805,8 +826,8 @@ def test_op(name: str, variant: str, dynamic: bool) -> None:
                     g.executor for g in graphs if g.graph.nodes and has_symbolic_sizes(g)
                 )
                 _check_executors(graphs, want, label)
-                for run in runs:
-                    _check(run, expected, tol)
+                for run, want_run in zip(runs, expected_runs, strict=True):
+                    _check(run, want_run, tol)
                 results[label] = runs[0]
             except Exception as e:
                 detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -820,8 +841,10 @@ def test_op(name: str, variant: str, dynamic: bool) -> None:
             rec.samples_passed += 1
             continue
         try:
-            for run in _run_compiled(case, _AOT_EAGER, dynamic):
-                _check(run, expected, tol)
+            for run, want_run in zip(
+                _run_compiled(case, _AOT_EAGER, dynamic, perturb), expected_runs, strict=True
+            ):
+                _check(run, want_run, tol)
         except Exception as e:
             fxrt_problem = problems[0].splitlines()[0][:200]
             rec.samples_excluded.append((i, _first_line(e), fxrt_problem))

@@ -13,7 +13,20 @@ from fxrt.exec.program import Free
 
 
 def compile_fn(fn, *inputs):
-    return fxrt.compile_graph(make_fx(fn)(*inputs), inputs)
+    """``fn`` compiled for ``inputs``, after checking it against eager: on ``inputs`` and then on
+    other values (the first call's results must survive the second)."""
+    cg = fxrt.compile_graph(make_fx(fn)(*inputs), inputs)
+    check_against_eager(cg, fn, inputs)
+    return cg
+
+
+def check_against_eager(cg, fn, inputs):
+    other = tuple(x * 0.75 + 0.125 for x in inputs)
+    first = cg(*inputs)
+    kept = torch.utils._pytree.tree_map(torch.clone, first)
+    torch.testing.assert_close(first, fn(*inputs))
+    torch.testing.assert_close(cg(*other), fn(*other))
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
 def golden(text: str) -> str:
@@ -140,3 +153,4 @@ def test_boxed_and_flat_calls_agree():
     cg = compile_fn(lambda x, y: (x - y,), torch.randn(2), torch.randn(2))
     a, b = torch.randn(2), torch.randn(2)
     torch.testing.assert_close(cg([a, b]), cg(a, b))
+    torch.testing.assert_close(cg([a, b]), (a - b,))

@@ -27,6 +27,16 @@ C++, it fails with "FX conversion only supports Triton kernels".
   which runs allocations, views and extern ATen calls natively and the kernels as fallback calls,
   on the compiled C++ loop or the Python one (``CompilerConfig.pure_python``).
 
+Where a graph's wrapper cannot run on fxrt (a line the converter does not know, a graph fxrt fails
+to compile), that graph gets Inductor's own Python wrapper instead, with one warning on the
+``fxrt`` logger naming the graph and the reason; ``stats["python_wrapper_fallbacks"]`` counts
+them. The Python wrapper is generated from the same wrapper lines, kept as they were before the
+FX conversion planned them (the class also writes the Python wrapper's input-size prologue, which
+the FX path ignores). Two cases stay errors: a kernel with no runnable definition at all
+(:class:`MissingKernelError`: Inductor's own wrapper could not call it either), and a graph with
+``torch.cond`` subgraphs, whose wrapper lines exist only in FX form; there the error is raised
+as before. Ahead-of-time compilation and subgraphs are never redirected.
+
 :func:`register_fx_wrapper` installs the class as the ``fx_wrapper_codegen`` of Inductor's cpu and
 cuda backends (the rest of each ``DeviceCodegen`` entry, and the device's custom passes and config,
 are left as they are) and sets ``fx_wrapper = True``; :func:`unregister_fx_wrapper` puts back the
@@ -37,7 +47,9 @@ untouched, and a user who sets ``fx_wrapper = True`` alone gets the upstream imp
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -65,9 +77,16 @@ from torch._subclasses.fake_tensor import is_fake
 from ..compiler import CompiledGraph
 from ..config import CompilerConfig
 from .fused_kernels import get_fused_kernel_payload
-from .host_graph import compile_host_graph
+from .host_graph import compile_host_graph, stats
 
 DEVICES = ("cpu", "cuda")
+log = logging.getLogger("fxrt")
+
+
+class MissingKernelError(RuntimeError):
+    """A non-Triton kernel of the host graph has no runnable definition: neither the wrapper nor
+    a device library (:func:`fxrt.register_fused_kernel`) provides one. Inductor's own wrapper
+    could not call it either, so this is raised rather than falling back to it."""
 
 
 class _UnresolvedKernel:
@@ -264,7 +283,7 @@ class HostGraphConverter(FxConverter):
         if kernel is None:
             kernel = registered
         if kernel is None or isinstance(kernel, CachingAutotuner) or not callable(kernel):
-            raise NotImplementedError(
+            raise MissingKernelError(
                 f"fxrt: no runnable definition for non-Triton kernel {name!r}: the wrapper does "
                 "not define it and no callable payload is registered under that name "
                 "(fxrt.register_fused_kernel)"
@@ -288,11 +307,62 @@ class HostGraphConverter(FxConverter):
         return gm
 
 
+def _graph_name() -> str:
+    """The graph being compiled as a log line can name it: Dynamo's compile id (``[0/1]``, the
+    frame and its recompile) and Inductor's name for subgraphs or graph partitions."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    name = getattr(V.graph, "name", None)
+    return " ".join(str(x) for x in (f"[{compile_id}]" if compile_id else None, name) if x) or "?"
+
+
 class FxrtWrapperCodegen(WrapperFxCodegen):
     """Inductor's FX wrapper codegen with non-Triton kernels kept as host calls, executed by
-    fxrt. Registered for cpu and cuda by :func:`register_fx_wrapper`."""
+    fxrt, or Inductor's own Python wrapper for a graph fxrt cannot run (see the module
+    docstring). Registered for cpu and cuda by :func:`register_fx_wrapper`."""
 
-    def _generate(self, is_inference: bool) -> tuple[FileBackedGraphModule, None]:
+    def codegen_inputs(self) -> None:
+        # The FX converter binds input sizes itself and ignores the prefix; the Python wrapper a
+        # fallback generates needs them bound there, as PythonWrapperCodegen writes them.
+        self._python_prefix_ok = False
+        if self.is_subgraph:
+            return
+        try:
+            PythonWrapperCodegen.codegen_inputs(self)
+        except Exception:  # an input kind the Python prologue does not handle: no fallback
+            return
+        self._python_prefix_ok = True
+
+    def _generate(self, is_inference: bool) -> Any:
+        # Wrapper lines as they are before memory planning, which rewrites them in place (a
+        # reused buffer's free line is marked reused): a fallback plans these copies again.
+        pristine = [copy.copy(line) for line in self.lines]
+        try:
+            return self._generate_fx(is_inference)
+        except MissingKernelError:
+            raise
+        except Exception as e:
+            if not self._can_fall_back():
+                raise
+            text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+            reason = f"{type(e).__name__}: {text}"[:300]
+        log.warning(
+            "fxrt: Inductor graph %s runs on Inductor's own Python wrapper, not fxrt (%s)",
+            _graph_name(),
+            reason,
+        )
+        stats["python_wrapper_fallbacks"] += 1
+        self.lines = pristine
+        return PythonWrapperCodegen._generate(self, is_inference)
+
+    def _can_fall_back(self) -> bool:
+        return (
+            not self.is_subgraph
+            and not V.aot_compilation
+            and not self.subgms
+            and getattr(self, "_python_prefix_ok", False)
+        )
+
+    def _generate_fx(self, is_inference: bool) -> tuple[FileBackedGraphModule, None]:
         # Upstream's _generate with our converter (upstream builds FxConverter directly).
         self.run_wrapper_ir_passes(is_inference)
         prologue = "\n".join([self.imports.getvalue(), self.header.getvalue()])
@@ -403,6 +473,7 @@ __all__ = [
     "DEVICES",
     "FxrtWrapperCodegen",
     "HostGraphConverter",
+    "MissingKernelError",
     "is_registered",
     "register_fx_wrapper",
     "unregister_fx_wrapper",

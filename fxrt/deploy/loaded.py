@@ -1,0 +1,526 @@
+"""``fxrt.load``: a package file to a callable :class:`LoadedModel`, without Dynamo or compiling.
+
+The manifest (JSON, ``"format": "fxrt-package/1"``) holds::
+
+    producer         fxrt / torch / python versions and fxrt's source hash (informational)
+    module           the exported module's class name
+    device           the device the model was exported on
+    options          the compiler options given to fxrt.export (informational)
+    runtime_options  the defaults for fxrt.load: pure_python, arena, arena_max_idle, check_inputs
+    graph            the compiled fxrt IR, in fxrt.serialize's artifact encoding; its tensors
+                     (constants fxrt made) are the weights section's "graph/<name>" entries
+    ops              every ATen op the graph calls: qualified name -> schema string
+    signature        graph inputs (weight / tensor / constant / symint), outputs (user leaf /
+                     buffer or input mutation), size-symbol ranges and Dim names, in and out
+                     tree specs (fxrt.deploy.signature)
+    weights          name -> {entry, dtype, shape, stride, offset, kind}: a strided view of a
+                     weights-section entry (tied names share an entry)
+    info             fallbacks, demotions and timings of the export (informational)
+
+Loading (after :func:`fxrt.deploy.package.read` has checked the structure and hashes):
+
+1. Every manifest field is type-checked; every name it refers to (weight entries, graph tensors,
+   signature weights) must exist; every entry must be used.
+2. Every op of ``ops`` is looked up through ``torch.ops`` by its validated name and its schema
+   compared with the stored one: a package made by another torch loads when they all match, and
+   fails naming the first op whose schema changed.
+3. The graph is decoded by :func:`fxrt.serialize.decode_graph`, which validates it as it does
+   cache artifacts (ops only by name, Python fallbacks only from the pure-arithmetic allow-list,
+   every id bounds-checked, the graph verified) and recomputes the lifetime plan; the program and
+   arena are lowered again here. Only the versions check differs: a cache entry must come from
+   this exact fxrt and torch, a package from any that agree on the ops.
+4. Weights are views into the memory-mapped file (copy-on-write: a write changes this process's
+   page, never the file), moved to ``device`` if one is given, and must match the graph's
+   metadata for their inputs. With ``device``, the graph's device arguments and metadata are
+   retargeted from the export device to it.
+5. The tree specs are rebuilt from pytree's registry of this process only.
+
+Calls are thread-safe: the compiled graph makes a register file per call, and the weights are one
+tuple read once per call, which :meth:`LoadedModel.update_weights` replaces in one assignment.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..compiler import CompiledGraph, _gc_paused
+from ..config import CompilerConfig
+from ..exec.inputs import InputError
+from ..ir.graph import OpKind
+from ..serialize import FORMAT as GRAPH_FORMAT
+from ..serialize import SerializationError, decode_graph, resolve_op, versions
+from . import package
+from .binder import Binder
+from .package import PackageError
+from .signature import Signature, spec_from_json
+from .tensorfile import DTYPES
+
+_MANIFEST_KEYS = {
+    "format",
+    "producer",
+    "module",
+    "device",
+    "options",
+    "runtime_options",
+    "graph",
+    "ops",
+    "signature",
+    "weights",
+    "info",
+}
+_WEIGHT_KEYS = {"entry", "dtype", "shape", "stride", "offset", "kind"}
+_WEIGHT_KINDS = ("parameter", "buffer", "nonpersistent_buffer", "constant")
+RUNTIME_OPTIONS = ("pure_python", "arena", "arena_max_idle", "check_inputs")
+
+
+def _fail(msg: str) -> PackageError:
+    return PackageError(f"invalid fxrt package: {msg}")
+
+
+def load(
+    path: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    device: str | torch.device | None = None,
+    *,
+    options: Mapping[str, Any] | None = None,
+    verify_weights: bool = True,
+) -> LoadedModel:
+    """Load a package written by ``fxrt.export(...).save(path)``.
+
+    Args:
+        path: the file (memory-mapped), or its bytes.
+        device: where the weights go and the graph runs (default: the export's device).
+        options: runtime options overriding the package's: ``pure_python``, ``arena``,
+            ``arena_max_idle``, ``check_inputs``.
+        verify_weights: check the SHA-256 of the weight bytes (reads them all once); the
+            structure's hash and the validation run regardless.
+
+    Returns:
+        A :class:`LoadedModel`, called like the exported model.
+
+    Raises:
+        PackageError: not a valid package, damaged, or not runnable in this process (an op whose
+            schema changed, an output type that is not registered); the message says which.
+        ValueError: an unknown option.
+    """
+    bad = sorted(set(options or {}) - set(RUNTIME_OPTIONS))
+    if bad:
+        raise ValueError(f"fxrt.load: unknown option(s) {bad}; valid: {', '.join(RUNTIME_OPTIONS)}")
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        raw = package.read(bytearray(path), verify_weights=verify_weights)
+        where = "<bytes>"
+    else:
+        raw = package.read_path(path, verify_weights=verify_weights)
+        where = os.fspath(path)
+    with _gc_paused():
+        try:
+            return _build(raw, where, device, dict(options or {}))
+        except PackageError:
+            raise
+        except SerializationError as e:
+            raise PackageError(f"invalid fxrt package: {str(e)[:400]}") from None
+        except Exception as e:  # whatever else a hostile manifest provokes: one clean error
+            raise _fail(f"{type(e).__name__}: {str(e)[:300]}") from e
+
+
+def _build(
+    raw: package.RawPackage, where: str, device: Any, options: dict[str, Any]
+) -> LoadedModel:
+    m = raw.manifest
+    if set(m) != _MANIFEST_KEYS:
+        raise _fail(f"manifest fields {sorted(map(str, m))[:20]}")
+    for key in ("producer", "options", "runtime_options", "graph", "ops", "weights", "info"):
+        if not isinstance(m[key], dict):
+            raise _fail(f"{key} must be an object")
+    export_device = _device(m["device"], "device")
+    target = export_device if device is None else torch.device(device)
+
+    from ..exec.native import extension_status
+
+    extension_status()  # loading the extension registers fxrt's own ops, which graphs may call
+    _check_ops(m["ops"], m["producer"])
+
+    sig = Signature.from_json(m["signature"])
+    records = _weight_records(m["weights"], raw.entries)
+    graph_doc = m["graph"]
+    if graph_doc.get("format") != GRAPH_FORMAT:
+        raise PackageError(
+            f"the package's graph is in format {str(graph_doc.get('format'))[:40]!r}; this fxrt "
+            f"reads {GRAPH_FORMAT}"
+        )
+    if target != export_device:
+        graph_doc = _retarget(graph_doc, export_device, target)
+    used = {r["entry"] for r in records.values()}
+    graph_tensors = graph_doc.get("tensors", {})
+    if not isinstance(graph_tensors, dict):
+        raise _fail("graph tensors must be an object")
+    used |= {f"graph/{k}" for k in graph_tensors}
+    unused = sorted(set(raw.entries) - used)
+    if unused:
+        raise _fail(f"weights section entries used by nothing: {unused[:5]}")
+
+    def fetch(name: str, record: Any) -> torch.Tensor:
+        from ..artifact import decode_tensor
+
+        e = raw.entries.get(f"graph/{name}")
+        if e is None or e.dtype != "U8":
+            raise _fail(f"graph tensor {name[:60]!r} has no U8 entry")
+        start = raw.data_start + e.begin
+        return decode_tensor(record, bytes(raw.buf[start : start + (e.end - e.begin)]))
+
+    # The versions check of cache artifacts does not apply: ops were checked by schema above.
+    graph, plan, pass_records, _ = decode_graph({**graph_doc, "versions": versions()}, fetch)
+    for node in graph.nodes:
+        if node.op.kind is OpKind.ATEN and node.op.name not in m["ops"]:
+            raise _fail(f"node {node.name} calls {node.op.name}, which the ops table lacks")
+
+    tensors = _weight_tensors(raw, records, target)
+    if len(sig.inputs) != len(graph.inputs):
+        raise _fail(f"{len(sig.inputs)} signature inputs for {len(graph.inputs)} graph inputs")
+    for s, vid in zip(sig.inputs, graph.inputs):
+        value = graph.values[vid]
+        if s.kind == "weight":
+            t = tensors.get(s.weight)
+            if t is None:
+                raise _fail(f"input {s.name[:60]!r} names an unknown weight {s.weight[:60]!r}")
+            m_ = value.meta
+            if m_ is None or (tuple(t.shape), tuple(t.stride()), t.dtype) != (
+                m_.shape,
+                m_.stride,
+                m_.dtype,
+            ):
+                raise _fail(f"weight {s.weight[:60]!r} does not match graph input {value.name}")
+        elif s.kind == "tensor":
+            m_ = value.meta
+            if m_ is None or (m_.shape, str(m_.dtype).removeprefix("torch.")) != (s.shape, s.dtype):
+                raise _fail(f"input {s.name[:60]!r} does not match graph input {value.name}")
+    in_spec = spec_from_json(sig.in_spec, "input")
+    out_spec = spec_from_json(sig.out_spec, "output")
+    n_users = sum(1 for o in sig.outputs if o.kind == "user")
+    if in_spec.num_leaves != len(sig.user_inputs()) or out_spec.num_leaves != n_users:
+        raise _fail("the tree specs do not match the signature")
+
+    runtime = m["runtime_options"]
+    if set(runtime) - set(RUNTIME_OPTIONS):
+        raise _fail(f"unknown runtime options {sorted(runtime)[:5]}")
+    try:
+        config = CompilerConfig.from_options(None, {**runtime, **options, "cache": False})
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    cg = CompiledGraph._rebuilt(graph, plan, pass_records, config)
+    binder = Binder(sig, in_spec, None if device is None else target)
+    return LoadedModel(cg, sig, binder, out_spec, tensors, records, m, where)
+
+
+def _check_ops(ops: dict[str, Any], producer: dict[str, Any]) -> None:
+    made_by = f"torch {str(producer.get('torch'))[:40]}"
+    for name, schema in ops.items():
+        if not isinstance(schema, str):
+            raise _fail(f"ops: malformed schema of {name[:60]!r}")
+        try:
+            op = resolve_op(name)
+        except SerializationError as e:
+            raise PackageError(f"fxrt package: {e}") from None
+        now = str(op._schema)
+        if now != schema:
+            raise PackageError(
+                f"fxrt package: op {name} changed its schema since the package was made "
+                f"({made_by}: `{schema[:300]}`; this torch {torch.__version__}: `{now}`); export "
+                "the model again"
+            )
+
+
+def _device(x: Any, where: str) -> torch.device:
+    if not isinstance(x, str) or len(x) > 40:
+        raise _fail(f"{where}: malformed device")
+    try:
+        return torch.device(x)
+    except RuntimeError:
+        raise _fail(f"{where}: {x!r} is not a device") from None
+
+
+def _weight_records(weights: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
+    for name, r in weights.items():
+        where = f"weight {name[:60]!r}"
+        if len(name) > 4096 or not isinstance(r, dict) or set(r) != _WEIGHT_KEYS:
+            raise _fail(f"{where}: malformed")
+        e = entries.get(r["entry"]) if isinstance(r["entry"], str) else None
+        if e is None:
+            raise _fail(f"{where}: no weights entry {str(r['entry'])[:60]!r}")
+        if r["kind"] not in _WEIGHT_KINDS:
+            raise _fail(f"{where}: unknown kind")
+        if r["dtype"] != DTYPES[e.dtype][0]:
+            raise _fail(f"{where}: dtype {str(r['dtype'])[:20]} but its entry is {e.dtype}")
+        shape, stride, offset = r["shape"], r["stride"], r["offset"]
+        ints = (
+            [*shape, *stride, offset]
+            if isinstance(shape, list) and isinstance(stride, list)
+            else [None]
+        )
+        if (
+            len(shape) != len(stride)
+            or len(shape) > 64
+            or not all(type(i) is int and 0 <= i < 2**62 for i in ints)
+        ):
+            raise _fail(f"{where}: malformed geometry")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel and offset + sum((s - 1) * st for s, st in zip(shape, stride)) >= e.numel:
+            raise _fail(f"{where}: view reaches past its entry")
+    return weights
+
+
+def _weight_tensors(
+    raw: package.RawPackage, records: dict[str, Any], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each weight as a view of its entry in the mapped file (one base tensor per entry, so tied
+    names share memory), on ``device``."""
+    bases: dict[str, torch.Tensor] = {}
+    views: dict[Any, torch.Tensor] = {}
+    out = {}
+    for name, r in records.items():
+        e = raw.entries[r["entry"]]
+        base = bases.get(e.name)
+        if base is None:
+            dtype = getattr(torch, DTYPES[e.dtype][0])
+            if e.numel:
+                base = torch.frombuffer(
+                    raw.buf, dtype=dtype, count=e.numel, offset=raw.data_start + e.begin
+                )
+            else:
+                base = torch.empty(0, dtype=dtype)
+            if base.device != device:
+                base = base.to(device)
+            bases[e.name] = base
+        key = (e.name, tuple(r["shape"]), tuple(r["stride"]), r["offset"])
+        t = views.get(key)
+        if t is None:
+            t = views[key] = base.as_strided(r["shape"], r["stride"], r["offset"])
+        out[name] = t
+    return out
+
+
+def _retarget(doc: Any, old: torch.device, new: torch.device) -> Any:
+    """The graph document with every device that is the export's replaced by ``new``."""
+
+    def same(s: str) -> bool:
+        try:
+            d = torch.device(s)
+        except RuntimeError:
+            return False
+        return d == old or (d.type == old.type and d.index is None)
+
+    def walk(x: Any, depth: int = 0) -> Any:
+        if depth > 200:
+            raise _fail("graph nested too deeply")
+        if isinstance(x, dict):
+            return {
+                k: str(new)
+                if k == "device" and isinstance(v, str) and same(v)
+                else walk(v, depth + 1)
+                for k, v in x.items()
+            }
+        if isinstance(x, list):
+            return [walk(v, depth + 1) for v in x]
+        return x
+
+    return walk(doc)
+
+
+class LoadedModel:
+    """A loaded package: call it as the exported model was called.
+
+    Attributes:
+        compiled: the :class:`fxrt.CompiledGraph` it runs.
+        program: its Program (``print(m.program)``).
+        graph: its fxrt IR.
+        signature: the calling convention (:class:`fxrt.deploy.signature.Signature`).
+        manifest: the package's manifest.
+    """
+
+    def __init__(
+        self,
+        cg: CompiledGraph,
+        sig: Signature,
+        binder: Binder,
+        out_spec: pytree.TreeSpec,
+        weights: dict[str, torch.Tensor],
+        records: dict[str, Any],
+        manifest: dict[str, Any],
+        where: str,
+    ):
+        self.compiled = cg
+        self.program = cg.program
+        self.graph = cg.graph
+        self.signature = sig
+        self.manifest = manifest
+        self.path = where
+        self._binder = binder
+        self._out_spec = out_spec
+        self._kinds = {name: r["kind"] for name, r in records.items()}
+        self._lock = threading.Lock()
+        # Tied names: one tensor object at load (same entry and geometry).
+        self._ties: dict[str, tuple[str, ...]] = {}
+        by_obj: dict[int, list[str]] = {}
+        for name, t in weights.items():
+            by_obj.setdefault(id(t), []).append(name)
+        for names in by_obj.values():
+            for n in names:
+                self._ties[n] = tuple(names)
+        w_inputs = [s.weight for s in sig.inputs if s.kind == "weight"]
+        self._weight_names = tuple(w_inputs)
+        kinds = [s.kind for s in sig.inputs]
+        n_w = len(w_inputs)
+        self._fast = all(k == "weight" for k in kinds[:n_w]) and all(
+            k != "weight" for k in kinds[n_w:]
+        )
+        leaf = iter(range(len(kinds)))
+        self._gather = [
+            ("w", s.weight) if s.kind == "weight" else ("u", next(leaf)) for s in sig.inputs
+        ]
+        user_leaves = {s.name: i for i, s in enumerate(sig.user_inputs())}
+        self._user_out = [i for i, o in enumerate(sig.outputs) if o.kind == "user"]
+        self._mutations = []
+        for i, o in enumerate(sig.outputs):
+            if o.kind == "buffer_mutation":
+                if o.target not in weights:
+                    raise _fail(f"output {i} mutates an unknown buffer {o.target[:60]!r}")
+                self._mutations.append((i, "w", o.target))
+            elif o.kind == "input_mutation":
+                if o.target not in user_leaves:
+                    raise _fail(f"output {i} mutates an unknown input {o.target[:60]!r}")
+                self._mutations.append((i, "u", user_leaves[o.target]))
+        self._plain_out = not self._mutations and out_spec.is_leaf() and len(self._user_out) == 1
+        self._state = self._publish(weights)
+
+    def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict]:
+        return tuple(weights[n] for n in self._weight_names), weights
+
+    # -- calling
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prefix, weights = self._state  # one read: a concurrent update_weights does not mix in
+        binder = self._binder
+        leaves = args if not kwargs and len(args) == binder.n_args else binder.flatten(args, kwargs)
+        if binder.needs_quick:
+            binder.quick(leaves)
+        if self._fast:
+            inputs = [*prefix, *leaves]
+        else:
+            inputs = [weights[k] if w == "w" else leaves[k] for w, k in self._gather]
+        try:
+            out = self.compiled(inputs)
+        except InputError:
+            binder.check(leaves)  # names the input, its path, the dim and the range
+            raise
+        if self._plain_out:
+            return out[0]
+        for i, where, k in self._mutations:
+            (weights[k] if where == "w" else leaves[k]).copy_(out[i])
+        return pytree.tree_unflatten([out[i] for i in self._user_out], self._out_spec)
+
+    # -- weights
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights by name (tied names map to one tensor)."""
+        return dict(self._state[1])
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+    ) -> None:
+        """Replace weights by name without recompiling. Calls already running finish on the old
+        weights; calls that start afterwards see the new ones.
+
+        Each tensor must have the weight's shape and dtype; one on another device or with other
+        strides is copied to the package's. The new tensors are used as they are (not copied
+        otherwise), so later in-place changes to them are seen, as with a module's parameters.
+
+        Args:
+            state_dict: name -> tensor, as ``model.state_dict()`` gives.
+            strict: as ``nn.Module.load_state_dict``: every parameter and persistent buffer must
+                be given, and no unknown name.
+
+        Raises:
+            ValueError: a shape or dtype that does not match (the message names the tensor), an
+                unknown or missing name under ``strict``, or two different tensors for tied names.
+        """
+        with self._lock:
+            current = self._state[1]
+            unknown = sorted(k for k in state_dict if k not in current)
+            if unknown and strict:
+                raise ValueError(f"fxrt: update_weights: unknown weights {unknown[:10]}")
+            chosen: dict[tuple[str, ...], tuple[str, torch.Tensor, torch.Tensor]] = {}
+            for name, t in state_dict.items():
+                if name not in current:
+                    continue
+                old = current[name]
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(
+                        f"fxrt: weight '{name}': expected a tensor, got {type(t).__name__}"
+                    )
+                if t.shape != old.shape or t.dtype != old.dtype:
+                    raise ValueError(
+                        f"fxrt: weight '{name}': the package has {_meta(old)}, got {_meta(t)} "
+                        "(shapes and dtypes must match: the graph is not recompiled)"
+                    )
+                new = t.detach()
+                if new.device != old.device or new.stride() != old.stride():
+                    new = torch.empty_strided(
+                        old.shape, old.stride(), dtype=old.dtype, device=old.device
+                    ).copy_(new)
+                group = self._ties[name]
+                if group in chosen and not _same_tensor(chosen[group][1], t):
+                    raise ValueError(
+                        f"fxrt: weights '{chosen[group][0]}' and '{name}' are tied in the package "
+                        "(one tensor) but were given different tensors"
+                    )
+                chosen.setdefault(group, (name, t, new))
+            if strict:
+                missing = sorted(
+                    n
+                    for n in current
+                    if self._ties[n] not in chosen and self._kinds.get(n) in ("parameter", "buffer")
+                )
+                if missing:
+                    raise ValueError(f"fxrt: update_weights: missing weights {missing[:10]}")
+            updated = dict(current)
+            for group, (_, _, new) in chosen.items():
+                for n in group:
+                    updated[n] = new
+            self._state = self._publish(updated)
+
+    # -- inspection
+
+    @property
+    def executor(self) -> str:
+        return self.compiled.executor
+
+    def __repr__(self) -> str:
+        users = ", ".join(s.name for s in self.signature.user_inputs())
+        return (
+            f"LoadedModel({self.manifest.get('module')}({users}) from {self.path}, "
+            f"{len(self.graph.nodes)} nodes, executor={self.executor!r})"
+        )
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (
+        a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def _meta(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}[{', '.join(str(s) for s in t.shape)}]"
+
+
+__all__ = ["InputError", "LoadedModel", "load"]

@@ -1,0 +1,779 @@
+"""``fxrt.export`` / ``fxrt.load``: packages against eager, on both loops.
+
+Every model is exported once per session (module-scoped fixtures; an export takes seconds) and
+each test loads the saved file. Covered: round trips of W1-W3 and a tiny GPT-2 (kwargs, a
+``ModelOutput``, a dynamic sequence length, tied weights), kwargs and nested inputs/outputs,
+buffer and input mutations, dynamic shapes and the errors for inputs outside them,
+``update_weights`` (new answers, no recompile, errors naming the tensor, tied names, calls from
+other threads never mixing two weight sets), hostile files (flipped bytes, truncations, bad
+lengths and offsets, unknown ops, changed schemas, Python names and module imports smuggled into
+the manifest, and a fuzz loop over re-hashed mutations: always a PackageError, never a crash or
+code), ``python -m fxrt inspect``, loading in fresh processes, ``device=``, and the weights
+section read by the ``safetensors`` package.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import native_available, skip_unless_executor
+from torch.export import Dim
+
+import fxrt
+from fxrt.deploy import package as pkgfmt
+from fxrt.models import DecoderBlock, KVCacheDecoder, workloads
+
+ROOT = Path(__file__).resolve().parents[1]
+# torch.export deep-copies pytree leaf specs, which warns about LeafSpec's deprecation.
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _opts(executor: str) -> dict[str, Any]:
+    skip_unless_executor(executor)
+    return {"pure_python": executor == "python"}
+
+
+def _load(path: Path, executor: str, **kw: Any) -> Any:
+    m = fxrt.load(path, options=_opts(executor), **kw)
+    assert m.executor == executor
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# Exported once per session
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("packages")
+
+
+@pytest.fixture(scope="module")
+def w_packages(store: Path) -> dict[str, tuple[Any, tuple, Path]]:
+    out = {}
+    for name, (model, args) in workloads().items():
+        path = store / f"{name.split()[0]}.fxrt"
+        fxrt.export(model, args).save(path)
+        out[name.split()[0]] = (model, args, path)
+    return out
+
+
+class Nested(torch.nn.Module):
+    """Nested inputs, keyword arguments, a constant flag, and a dict of tuples back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pair, *, scale, extra=None, flag=True):
+        a, b = pair
+        h = self.lin(x) * scale["w"] + a
+        if flag:
+            h = h.relu()
+        return {"h": h, "parts": (b.sum(-1), h.mean()), "extra": extra * 2}
+
+
+def _nested_inputs(seed: int, n: int = 3) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    args = (r(n, 8), (r(n, 8), r(n, 5)))
+    return args, {"scale": {"w": r(8)}, "extra": r(2), "flag": True}
+
+
+@pytest.fixture(scope="module")
+def nested_package(store: Path) -> tuple[Any, Path]:
+    torch.manual_seed(0)
+    model = Nested().eval()
+    args, kwargs = _nested_inputs(0)
+    path = store / "nested.fxrt"
+    fxrt.export(model, args, kwargs).save(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def mlp_dynamic(store: Path) -> tuple[Any, Path]:
+    model, (x,) = workloads()["W2 mlp"]
+    batch = Dim("batch", min=2, max=16)
+    path = store / "mlp_dynamic.fxrt"
+    fxrt.export(model, (torch.randn(4, 256),), dynamic_shapes=({0: batch},)).save(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def gpt2(store: Path) -> tuple[Any, Path]:
+    from clients_child import build
+
+    model = build("gpt2")
+    ids = _ids(2, 8)
+    seq = Dim("seq", min=2, max=32)
+    kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False}
+    dyn = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
+    path = store / "gpt2.fxrt"
+    fxrt.export(model, (ids,), kwargs, dynamic_shapes=dyn).save(path)
+    return model, path
+
+
+def _ids(batch: int, seq: int) -> torch.Tensor:
+    from clients_child import input_ids
+
+    return input_ids(batch, seq)
+
+
+# ----------------------------------------------------------------------------------------------
+# Round trips against eager
+
+
+@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+def test_workload_round_trip(name: str, executor: str, w_packages) -> None:
+    model, (x,), path = w_packages[name]
+    m = _load(path, executor)
+    with torch.no_grad():
+        for seed in (1, 2):  # twice, with different inputs
+            xi = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(m(xi), model(xi))
+    assert m.program is m.compiled.program and "CALL" in str(m.program)
+
+
+def test_gpt2_kwargs_model_output_dynamic(executor: str, gpt2) -> None:
+    model, path = gpt2
+    m = _load(path, executor)
+    for batch, seq in ((2, 8), (2, 5), (2, 17)):
+        ids = _ids(batch, seq)
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask, use_cache=False)
+        got = m(ids, attention_mask=mask, use_cache=False)
+        assert type(got) is type(want)
+        torch.testing.assert_close(got.logits, want.logits)
+        # keyword arguments in another order: the exported order is restored
+        got = m(ids, use_cache=False, attention_mask=mask)
+        torch.testing.assert_close(got.logits, want.logits)
+    with pytest.raises(fxrt.InputError, match=r"input 'input_ids' \(args\[0\]\): dim 1: size 40 "):
+        m(_ids(2, 40), attention_mask=torch.ones(2, 40, dtype=torch.long), use_cache=False)
+    with pytest.raises(fxrt.InputError, match=r"'use_cache'.*constant False, got True"):
+        m(_ids(2, 8), attention_mask=torch.ones(2, 8, dtype=torch.long), use_cache=True)
+    with pytest.raises(fxrt.InputError, match="exported structure"):
+        m(_ids(2, 8))
+
+
+def test_gpt2_tied_weights_stored_once(gpt2) -> None:
+    model, path = gpt2
+    m = fxrt.load(path)
+    sd = m.state_dict()
+    assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+    assert m.manifest["weights"]["lm_head.weight"]["entry"] == "transformer.wte.weight"
+    section = _weights_section(path.read_bytes())
+    st = json.loads(section[8 : 8 + int.from_bytes(section[:8], "little")])
+    assert "lm_head.weight" not in st and "transformer.wte.weight" in st
+
+
+def test_nested_inputs_kwargs_outputs(executor: str, nested_package) -> None:
+    model, path = nested_package
+    m = _load(path, executor)
+    for seed in (1, 2):
+        args, kwargs = _nested_inputs(seed)
+        with torch.no_grad():
+            torch.testing.assert_close(m(*args, **kwargs), model(*args, **kwargs))
+    args, kwargs = _nested_inputs(3)
+    kwargs["flag"] = False
+    with pytest.raises(fxrt.InputError, match=r"input 'flag' \(kwargs\['flag'\]\)"):
+        m(*args, **kwargs)
+    args, kwargs = _nested_inputs(3)
+    bad = (args[0], (args[1][0], args[1][1].double()))
+    with pytest.raises(
+        fxrt.InputError, match=r"args\[1\]\[1\].*dtype float64, exported for float32"
+    ):
+        m(*bad, **kwargs)
+
+
+def test_buffer_and_input_mutations(executor: str, store: Path) -> None:
+    torch.manual_seed(0)
+    block = DecoderBlock(128, 4, cache_len=8).eval()  # index_copy_ into its own buffers
+    x, pos = torch.randn(1, 2, 128), torch.tensor([0, 1])
+    path = store / f"kv_block_{executor}.fxrt"
+    fxrt.export(block, (x, pos)).save(path)
+    m = _load(path, executor)
+    eager = copy.deepcopy(block)
+    for step in range(3):
+        xi, pi = torch.randn(1, 2, 128), torch.tensor([2 * step, 2 * step + 1])
+        with torch.no_grad():
+            torch.testing.assert_close(m(xi, pi), eager(xi, pi))
+        torch.testing.assert_close(m.state_dict()["k_cache"], eager.k_cache)
+
+    dec = KVCacheDecoder().eval()  # the caches are inputs, written in place
+    kc, vc = dec.empty_cache(1, 8)
+    ids = torch.randn(1, 3, 32)
+    path = store / f"kv_decoder_{executor}.fxrt"
+    fxrt.export(dec, (ids, kc, vc, torch.arange(3))).save(path)
+    m = _load(path, executor)
+    k1, v1 = dec.empty_cache(1, 8)
+    k2, v2 = dec.empty_cache(1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            m(ids, k1, v1, torch.arange(3)), dec(ids, k2, v2, torch.arange(3))
+        )
+    torch.testing.assert_close((k1, v1), (k2, v2))
+    assert k1.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic shapes and input errors
+
+
+def test_dynamic_range_and_errors(executor: str, mlp_dynamic) -> None:
+    model, path = mlp_dynamic
+    m = _load(path, executor)
+    for batch in (2, 9, 16):
+        x = torch.randn(batch, 256)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), model(x))
+    sig = r"\(exported: float32\[s\d+, 256\] with batch \(s\d+\) in \[2, 16\]"
+    with pytest.raises(fxrt.InputError, match=r"input 'x' \(args\[0\]\): dim 0: size 17 is outside "
+                       r"the range of batch \(s\d+\), \[2, 16\] " + sig):  # fmt: skip
+        m(torch.randn(17, 256))
+    with pytest.raises(fxrt.InputError, match=r"dim 0: size 1 is outside the range .*\[2, 16\]"):
+        m(torch.randn(1, 256))
+    with pytest.raises(fxrt.InputError, match=r"input 'x' .*dtype float64, exported for float32"):
+        m(torch.randn(4, 256, dtype=torch.float64))
+    with pytest.raises(fxrt.InputError, match=r"input 'x' .*3 dims, exported for 2"):
+        m(torch.randn(4, 256, 1))
+    with pytest.raises(fxrt.InputError, match=r"input 'x' .*dim 1: size 128, exported for 256"):
+        m(torch.randn(4, 128))
+    with pytest.raises(fxrt.InputError, match=r"input 'x' .*expected a tensor, got a list"):
+        m([1.0] * 256)
+
+
+def test_static_input_errors_name_the_input(w_packages) -> None:
+    _, _, path = w_packages["W2"]
+    m = fxrt.load(path)
+    with pytest.raises(fxrt.InputError, match=r"input 'x' \(args\[0\]\): dim 0: size 2, exported "
+                       r"for 1 \(static\)"):  # fmt: skip
+        m(torch.randn(2, 256))
+    with pytest.raises(fxrt.InputError, match="exported structure"):
+        m(torch.randn(1, 256), torch.randn(1, 256))
+
+
+# ----------------------------------------------------------------------------------------------
+# update_weights
+
+
+def test_update_weights(executor: str, w_packages) -> None:
+    model, (x,), path = w_packages["W2"]
+    m = _load(path, executor)
+    compiled_before = fxrt.cache.stats["compiled"]
+    program = m.program
+    torch.manual_seed(5)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.normal_()
+    m.update_weights(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), other(x))
+        assert not torch.allclose(m(x), model(x))
+    assert fxrt.cache.stats["compiled"] == compiled_before and m.program is program
+    # partial, non-strict: only one tensor changes
+    m.update_weights({"layers.0.bias": model.layers[0].bias}, strict=False)
+    bad = dict(model.state_dict())
+    bad["layers.1.weight"] = torch.randn(128, 256)
+    with pytest.raises(ValueError, match=r"weight 'layers.1.weight': the package has "
+                       r"float32\[256, 256\], got float32\[128, 256\]"):  # fmt: skip
+        m.update_weights(bad)
+    bad["layers.1.weight"] = model.layers[1].weight.double()
+    with pytest.raises(ValueError, match=r"'layers.1.weight'.*float64\[256, 256\]"):
+        m.update_weights(bad)
+    with pytest.raises(ValueError, match=r"missing weights \['layers.3.bias'\]"):
+        m.update_weights({k: v for k, v in model.state_dict().items() if k != "layers.3.bias"})
+    with pytest.raises(ValueError, match=r"unknown weights \['nope'\]"):
+        m.update_weights({**model.state_dict(), "nope": torch.zeros(1)})
+    m.update_weights(model.state_dict())  # a failed update changed nothing; this one restores
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), model(x))
+    # a transposed tensor is copied to the package's strides
+    sd = dict(model.state_dict())
+    sd["layers.0.weight"] = sd["layers.0.weight"].t().contiguous().t()
+    m.update_weights(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), model(x))
+
+
+def test_update_weights_tied(gpt2) -> None:
+    model, path = gpt2
+    m = fxrt.load(path)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.add_(0.1)
+    m.update_weights(other.state_dict())  # lm_head.weight and wte: one tensor, both names
+    ids = _ids(2, 6)
+    with torch.no_grad():
+        want = other(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    torch.testing.assert_close(
+        m(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits, want
+    )
+    sd = dict(other.state_dict())
+    sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    with pytest.raises(ValueError, match="tied in the package"):
+        m.update_weights(sd)
+
+
+def test_threads_and_atomic_weight_swap(w_packages) -> None:
+    model, (x,), path = w_packages["W2"]
+    m = fxrt.load(path)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.normal_()
+    sets = [model.state_dict(), other.state_dict()]
+    xs = [torch.randn(1, 256, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    # What each weight set gives, single-threaded (checked against eager); in the threads every
+    # result must be one of the two bit for bit, never a mix.
+    want = []
+    for k in (0, 1):
+        m.update_weights(sets[k])
+        want.append([m(xi) for xi in xs])
+        with torch.no_grad():
+            torch.testing.assert_close(want[k], [(model, other)[k](xi) for xi in xs])
+    want = list(zip(*want))
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller(i: int) -> None:
+        try:
+            for _ in range(60):
+                got = m(xs[i])
+                a, b = want[i]
+                assert torch.equal(got, a) or torch.equal(got, b), "a mix of two weight sets"
+        except BaseException as e:  # noqa: BLE001
+            failures.append(e)
+
+    def swapper() -> None:
+        k = 0
+        while not stop.is_set():
+            m.update_weights(sets[k % 2])
+            k += 1
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(xs))]
+    sw = threading.Thread(target=swapper)
+    sw.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    sw.join()
+    assert not failures, failures[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile and damaged files
+
+
+def _sections(data: bytes) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+    _, _, _, m_off, m_len, w_off, _, _ = struct.unpack("<8sIIQQQQQ", data[:56])
+    n = int.from_bytes(data[w_off : w_off + 8], "little")
+    manifest = json.loads(data[m_off : m_off + m_len])
+    header = json.loads(data[w_off + 8 : w_off + 8 + n])
+    return manifest, header, data[w_off + 8 + n :]
+
+
+def _weights_section(data: bytes) -> bytes:
+    w_off = struct.unpack("<8sIIQQQQQ", data[:56])[5]
+    return data[w_off:]
+
+
+def _repack(
+    data: bytes, manifest: Any = None, header: Any = None, raw_manifest: bytes | None = None
+) -> bytes:
+    """The package with its manifest and/or weights header replaced and every hash and offset
+    made consistent again: what a deliberate forger writes."""
+    m0, h0, body = _sections(data)
+    man = (
+        raw_manifest
+        if raw_manifest is not None
+        else json.dumps(m0 if manifest is None else manifest).encode()
+    )
+    head = json.dumps(h0 if header is None else header).encode()
+    w_off = -(-(128 + len(man)) // 64) * 64
+    head += b" " * (-(w_off + 8 + len(head)) % 64)
+    st = len(head).to_bytes(8, "little") + head
+    f_len = w_off + len(st) + len(body)
+    fixed = struct.pack(
+        "<8sIIQQQQQ", pkgfmt.MAGIC, 1, 0, 128, len(man), w_off, len(st) + len(body), f_len
+    )
+    out = fixed + hashlib.sha256(fixed + man + st).digest() + hashlib.sha256(body).digest()
+    out += b"\0" * 8 + man + b"\0" * (w_off - 128 - len(man)) + st + body
+    assert len(out) == f_len
+    return out
+
+
+def _refused(data: bytes, match: str | None = None) -> str:
+    with pytest.raises(fxrt.PackageError, match=match) as e:
+        fxrt.load(data)
+    return str(e.value)
+
+
+def test_repack_is_faithful(w_packages) -> None:
+    model, (x,), path = w_packages["W3"]
+    with torch.no_grad():
+        torch.testing.assert_close(fxrt.load(_repack(path.read_bytes()))(x), model(x))
+
+
+def test_damaged_files(w_packages, tmp_path: Path) -> None:
+    data = w_packages["W3"][2].read_bytes()
+    rng = random.Random(0)
+    for pos in sorted(rng.sample(range(len(data)), 150)) + [0, 8, 12, 16, 56, 100, len(data) - 1]:
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << rng.randrange(8)
+        _refused(bytes(flipped))
+    for cut in sorted(rng.sample(range(len(data)), 60)) + [0, 1, 56, 127, 128, len(data) - 1]:
+        _refused(data[:cut])
+    _refused(data + b"\0", "says")
+    bad = bytearray(data)
+    bad[8:12] = (2).to_bytes(4, "little")
+    _refused(bytes(bad), "format version 2 is not supported")
+    for field, value in ((24, 2**40), (24, 2**64 - 1), (40, 2**63), (32, 3)):  # lengths, offsets
+        bad = bytearray(data)
+        bad[field : field + 8] = value.to_bytes(8, "little")
+        _refused(bytes(bad))
+    empty = tmp_path / "empty.fxrt"
+    empty.write_bytes(b"")
+    with pytest.raises(fxrt.PackageError, match="empty"):
+        fxrt.load(empty)
+    (tmp_path / "text.fxrt").write_text("not a package at all " * 20)
+    with pytest.raises(fxrt.PackageError, match="magic"):
+        fxrt.load(tmp_path / "text.fxrt")
+
+
+def test_forged_weights_header(w_packages) -> None:
+    data = w_packages["W2"][2].read_bytes()
+    _, header, _ = _sections(data)
+    name = "layers.0.weight"
+    for change, match in [
+        (lambda h: h[name].update(data_offsets=[0, 10**12]), "out of range|bytes for"),
+        (lambda h: h[name].update(data_offsets=[4, 262148]), "hole or an overlap|aligned"),
+        (lambda h: h[name].update(data_offsets=[-8, 262136]), "out of range"),
+        (lambda h: h[name].update(shape=[256, 255]), "bytes for"),
+        (lambda h: h[name].update(dtype="F128"), "unknown dtype"),
+        (lambda h: h[name].update(dtype="I32"), "dtype float32 but its entry is I32"),
+        (
+            lambda h: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
+            "used by nothing",
+        ),
+        (lambda h: h.pop(name), "hole|no weights entry"),
+        (lambda h: h.update(__metadata__={"a": 1}), "__metadata__"),
+    ]:
+        h = copy.deepcopy(header)
+        change(h)
+        _refused(_repack(data, header=h), match)
+    # a header length far past the section (rehashed)
+    bad = bytearray(_repack(data))
+    w_off = struct.unpack("<8sIIQQQQQ", bytes(bad[:56]))[5]
+    bad[w_off : w_off + 8] = (2**62).to_bytes(8, "little")
+    _refused(bytes(bad), "out of range")
+
+
+def test_forged_manifest(w_packages, tmp_path: Path) -> None:
+    data = w_packages["W2"][2].read_bytes()
+    manifest, _, _ = _sections(data)
+    canary = tmp_path / "fxrt_canary_module.py"
+    canary.write_text("import os\nos.environ['FXRT_CANARY_IMPORTED'] = '1'\n")
+    sys.path.insert(0, str(tmp_path))
+    node = next(
+        i for i, n in enumerate(manifest["graph"]["nodes"]) if n["op"] == {"aten": "aten::addmm"}
+    )
+
+    def weights_view(m: Any) -> None:
+        m["weights"]["layers.0.bias"]["offset"] = 10
+
+    def op(name: str) -> Any:
+        def change(m: Any) -> None:
+            m["graph"]["nodes"][node]["op"] = {"aten": name}
+            m["ops"][name] = "x"
+
+        return change
+
+    enum_spec = json.dumps([1, {"type": "builtins.dict", "context": json.dumps(
+        [{"__enum__": True, "fqn": "fxrt_canary_module:X", "name": "A"}]),
+        "children_spec": [{"type": None, "context": None, "children_spec": []}]}])  # fmt: skip
+    cases = [
+        (op("aten::definitely_not_an_op"), "aten::definitely_not_an_op"),
+        (op("os::system"), "os::system"),
+        (op("aten::add.Tensor; import os"), "not an op name"),
+        (lambda m: m["graph"]["nodes"][node].update(op={"python": "builtins.eval"}), "allowed"),
+        (
+            lambda m: m["graph"]["nodes"][node].update(op={"python": "operator.attrgetter"}),
+            "allowed",
+        ),
+        (
+            lambda m: m["ops"].update(
+                {"aten::addmm": m["ops"]["aten::addmm"].replace("beta", "b")}
+            ),
+            "aten::addmm changed its schema",
+        ),
+        (lambda m: m["graph"]["nodes"][node].update(outputs=[10**6]), "out of range"),
+        (
+            lambda m: m["graph"]["nodes"][node]["args"]["tuple"].__setitem__(0, {"ref": -1}),
+            "out of range",
+        ),
+        (lambda m: m["graph"].update(format="fxrt-artifact/99"), "format"),
+        (lambda m: m.update(format="fxrt-package/9"), "format"),
+        (lambda m: m.update(device="cuda:banana"), "device"),
+        (lambda m: m["signature"]["inputs"].pop(), "signature inputs"),
+        (
+            lambda m: m["signature"]["inputs"][-1].update(shape=[1, "__import__('os')"]),
+            "size expression",
+        ),
+        (
+            lambda m: m["signature"].update(
+                out_spec=json.dumps(
+                    [1, {"type": "os.system", "context": "null", "children_spec": []}]
+                )
+            ),
+            "not registered",
+        ),  # fmt: skip
+        (lambda m: m["signature"].update(in_spec=enum_spec), "enum|do not match"),
+        (lambda m: m["signature"]["ranges"].update(s0=[5, 1]), "empty"),
+        (weights_view, "past its entry"),
+        (lambda m: m["weights"]["layers.0.bias"].update(shape=[255]), "does not match"),
+        (lambda m: m["runtime_options"].update(dump_dir="/tmp/x"), "runtime options"),
+        (lambda m: m.update(extra=1), "manifest fields"),
+        (lambda m: m.update(weights=[]), "must be an object"),
+    ]
+    try:
+        for change, match in cases:
+            m = copy.deepcopy(manifest)
+            change(m)
+            _refused(_repack(data, manifest=m), match)
+        _refused(
+            _repack(data, raw_manifest=b'{"format": "fxrt-package/1", "a": 1, "a": 2}'), "duplicate"
+        )
+        _refused(_repack(data, raw_manifest=b"[" * 100000), "JSON")
+        _refused(_repack(data, raw_manifest=b'{"x": NaN}'), "NaN")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "FXRT_CANARY_IMPORTED" not in os.environ and "fxrt_canary_module" not in sys.modules
+
+
+def test_package_from_another_torch_loads(w_packages) -> None:
+    """Versions are recorded, not required: the op schemas decide (a changed one is refused in
+    test_forged_manifest, naming the op)."""
+    model, (x,), path = w_packages["W3"]
+    data = path.read_bytes()
+    manifest, _, _ = _sections(data)
+    manifest["producer"].update(torch="2.12.0", fxrt="0.0.9", fxrt_source="0" * 64)
+    with torch.no_grad():
+        torch.testing.assert_close(fxrt.load(_repack(data, manifest=manifest))(x), model(x))
+
+
+def test_fuzz_rehashed_mutations(w_packages) -> None:
+    """Random mutations of the manifest and weights header, re-hashed so that validation, not
+    the hash, must refuse them: a PackageError, or a model that loads (a harmless change) and
+    whose call raises a Python exception at worst. Never a crash."""
+    model, (x,), path = w_packages["W3"]
+    data = path.read_bytes()
+    manifest, header, _ = _sections(data)
+    rng = random.Random(1)
+    junk = [None, -1, 0, 2**70, 1.5, "", "x" * 5000, [], {}, [[[]]], {"ref": 3}, True, "aten::mm"]
+    outcomes = {"refused": 0, "loaded": 0}
+    for i in range(int(os.environ.get("FXRT_DEPLOY_FUZZ", "300"))):
+        target = copy.deepcopy(manifest if i % 3 else header)
+        _mutate(target, rng, junk)
+        blob = _repack(data, manifest=target) if i % 3 else _repack(data, header=target)
+        try:
+            m = fxrt.load(blob)
+        except fxrt.PackageError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["loaded"] += 1
+        try:
+            with torch.no_grad():
+                m(x)
+        except Exception:  # noqa: BLE001 - any Python exception is fine, a crash is not
+            pass
+    assert outcomes["refused"] > 0, outcomes
+
+
+def _mutate(doc: Any, rng: random.Random, junk: list[Any]) -> None:
+    """Replace one randomly chosen value deep in ``doc`` by junk, or a string by a variant."""
+    parent, key = None, None
+    node = doc
+    for _ in range(rng.randrange(1, 12)):
+        if isinstance(node, dict) and node:
+            key = rng.choice(list(node))
+        elif isinstance(node, list) and node:
+            key = rng.randrange(len(node))
+        else:
+            break
+        parent, node = node, node[key]
+    if parent is None:
+        return
+    if isinstance(node, str) and rng.random() < 0.5:
+        parent[key] = node[::-1] if rng.random() < 0.5 else node + "x"
+    elif isinstance(node, int) and not isinstance(node, bool) and rng.random() < 0.5:
+        parent[key] = node + rng.choice([-1, 1, 2**31])
+    else:
+        parent[key] = copy.deepcopy(rng.choice(junk))
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI, fresh processes, devices, the safetensors section
+
+
+def test_inspect_cli(gpt2, w_packages) -> None:
+    _, path = gpt2
+    out = subprocess.run(
+        [sys.executable, "-m", "fxrt", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for want in (
+        "fxrt package (fxrt-package/1)",
+        "module:  GPT2LMHeadModel",
+        f"torch {torch.__version__}",
+        "args[0]",
+        "kwargs['attention_mask']",
+        "constant False",
+        "int64[2, s",
+        "seq (s",
+        "in [2, 32]",
+        "aten::addmm",
+        "fallbacks:",
+        "tied: transformer.wte.weight = lm_head.weight",
+        "weights: 29 tensors",
+    ):
+        assert want in text, (want, text)
+    from fxrt.__main__ import main
+
+    assert main(["inspect", str(w_packages["W2"][2]), "--verify", "--load"]) == 0
+    bad = path.with_suffix(".bad")
+    bad.write_bytes(path.read_bytes()[:1000])
+    assert main(["inspect", str(bad)]) == 1
+
+
+CHILD = r"""
+import json, sys, time, torch, fxrt
+w3, w3_io, gpt2 = sys.argv[1:4]
+x, want = torch.load(w3_io)
+out = {}
+for run in ("cold", "warm"):
+    t0 = time.perf_counter()
+    m = fxrt.load(w3)
+    out[run + "_load_s"] = time.perf_counter() - t0
+    torch.testing.assert_close(m(x), want)
+out["compiled"] = fxrt.cache.stats["compiled"]
+try:
+    fxrt.load(gpt2)
+    out["unregistered"] = "loaded"
+except fxrt.PackageError as e:
+    out["unregistered"] = str(e)
+import transformers.modeling_outputs  # noqa: registers the output type with pytree
+m = fxrt.load(gpt2)
+ids = torch.randint(0, 128, (2, 7))
+out["gpt2"] = type(m(ids, attention_mask=torch.ones_like(ids), use_cache=False)).__name__
+print(json.dumps(out))
+"""
+
+
+def test_load_in_fresh_process(w_packages, gpt2, tmp_path: Path) -> None:
+    model, (x,), path = w_packages["W3"]
+    with torch.no_grad():
+        torch.save((x, model(x)), tmp_path / "io.pt")
+    env = {**os.environ, "FXRT_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), str(tmp_path / "io.pt"), str(gpt2[1])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["compiled"] == 0  # loading never compiles
+    assert "CausalLMOutputWithCrossAttentions" in got["unregistered"]
+    assert "not registered" in got["unregistered"]
+    assert got["gpt2"] == "CausalLMOutputWithCrossAttentions"
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.fxrt"))
+
+
+def test_device_argument(w_packages) -> None:
+    model, (x,), path = w_packages["W3"]
+    m = fxrt.load(path, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), model(x))
+    # Another device retargets the graph's devices and metadata (the meta device stands in for
+    # an accelerator here; the arena does not apply to it).
+    for executor in ("python", "cpp") if native_available() else ("python",):
+        meta = fxrt.load(
+            path, device="meta", options={"pure_python": executor == "python", "arena": False}
+        )
+        out = meta(torch.empty(x.shape, device="meta"))
+        assert out.device.type == "meta" and out.shape == x.shape
+        assert all(t.device.type == "meta" for t in meta.state_dict().values())
+        with pytest.raises(fxrt.InputError, match=r"input 'x' .*device cpu, exported for meta"):
+            meta(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device(w_packages) -> None:
+    model, (x,), path = w_packages["W3"]
+    m = fxrt.load(path, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.cuda()).cpu(), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_weights_section_is_safetensors(gpt2) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    model, path = gpt2
+    tensors = st.load(_weights_section(path.read_bytes()))
+    state = model.state_dict()
+    assert set(tensors) == set(state) - {"lm_head.weight"}  # tied: stored once
+    for name, t in tensors.items():
+        torch.testing.assert_close(t, state[name], rtol=0, atol=0)
+
+
+def test_weights_are_mapped_not_copied(w_packages) -> None:
+    _, _, path = w_packages["W2"]
+    m = fxrt.load(path)
+    data = path.read_bytes()
+    t = m.state_dict()["layers.2.weight"]
+    # the tensor's bytes are the file's, at an aligned offset of the mapping
+    assert t.untyped_storage().nbytes() == t.numel() * 4 or t._base is not None
+    assert bytes(t.contiguous().view(torch.uint8).numpy()) in data
+    t_before = t.clone()
+    t.add_(1)  # copy-on-write: the process's page changes, the file does not
+    assert path.read_bytes() == data
+    torch.testing.assert_close(fxrt.load(path).state_dict()["layers.2.weight"], t_before)
+
+
+def test_strict_export(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+    x = torch.randn(2, 8)
+    fxrt.export(model, (x,), strict=True).save(tmp_path / "strict.fxrt")
+    with torch.no_grad():
+        torch.testing.assert_close(fxrt.load(tmp_path / "strict.fxrt")(x), model(x))
+
+
+def test_options() -> None:
+    model, (x,) = workloads()["W2 mlp"]
+    with pytest.raises(ValueError, match="freeze is not supported"):
+        fxrt.export(model, (x,), options={"freeze": True})
+    with pytest.raises(ValueError, match="unknown option"):
+        fxrt.export(model, (x,), options={"bogus": 1})
+    with pytest.raises(ValueError, match="unknown option"):
+        fxrt.load(b"", options={"opt_level": 1})
