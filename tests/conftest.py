@@ -217,3 +217,15 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
         with open(path, "w") as f:
             json.dump(dict(fxrt.cache.stats), f)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    """The stand-in accelerator's device module (tests/standin, built on first use), or a skip
+    that says why it cannot be built here."""
+    import standin
+
+    try:
+        return standin.load()
+    except standin.Unavailable as e:
+        pytest.skip(str(e))

@@ -13,18 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import standin
 import torch
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        return standin.load()
-    except standin.Unavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from libcpp.vector cimport vector
 from torch._C import _has_torch_function
 
 
-cdef extern from "loop.h" namespace "fxrt":
+cdef extern from "python_face.h" namespace "fxrt":
     void set_python_error()
 
     cdef cppclass Failure:
@@ -41,22 +41,14 @@ cdef extern from "loop.h":
         void set_constant(int64_t reg, object value) except +set_python_error
         void set_output(object tree) except +set_python_error
         void add_free(const vector[int64_t]& regs) except +set_python_error
-        string add_call(
-            object fn, object name, object overload, object args, object kwargs,
-            const vector[int64_t]& outputs, cbool multi,
-        ) except +set_python_error
+        string add_call(object plain, cbool multi) except +set_python_error
         string add_out(
-            object fn, object name, object overload, object args, object kwargs,
-            const vector[int64_t]& outputs, int64_t slot,
+            object plain, int64_t slot,
             object out_name, object out_overload, object out_args, object out_kwargs,
         ) except +set_python_error
-        string add_alloc(
-            object fn, object name, object overload, object args, object kwargs,
-            const vector[int64_t]& outputs, int64_t slot, cbool cpu,
-        ) except +set_python_error
+        string add_alloc(object plain, int64_t slot, cbool cpu) except +set_python_error
         string add_view(
-            object fn, object name, object overload, object args, object kwargs,
-            const vector[int64_t]& outputs, int64_t kind, cbool always,
+            object plain, int64_t kind, cbool always,
             const vector[int64_t]& ints, const vector[int64_t]& strides, int64_t offset,
         ) except +set_python_error
         string add_sym(object fn, int64_t kind, object args, int64_t output) except +set_python_error
@@ -129,38 +121,32 @@ cdef class Executor:
     def add_free(self, regs):
         self._impl().add_free(regs)
 
-    def add_call(self, fn, str name, str overload, tuple args, dict kwargs, outputs, cbool multi):
-        """CALL ``name.overload(*args, **kwargs)``; ``fn`` is its Python form."""
-        return _why(self._impl().add_call(fn, name, overload, args, kwargs, outputs, multi))
+    # CALL, OUT, ALLOC and VIEW take their plain form as one tuple: ``(fn, name, overload, args,
+    # kwargs, outputs)``, ``fn`` its Python form, ``name.overload(*args, **kwargs)`` the op.
+
+    def add_call(self, tuple plain, cbool multi):
+        """CALL: the plain form."""
+        return _why(self._impl().add_call(plain, multi))
 
     def add_out(
-        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t slot,
+        self, tuple plain, int64_t slot,
         str out_name, str out_overload, tuple out_args, dict out_kwargs,
     ):
-        """OUT: the CALL, and on calls with an arena ``out_name.out_overload(*out_args,
+        """OUT: the plain form, and on calls with an arena ``out_name.out_overload(*out_args,
         **out_kwargs)`` writing slot ``slot`` (its ``out`` reads the result register)."""
         return _why(self._impl().add_out(
-            fn, name, overload, args, kwargs, outputs, slot,
-            out_name, out_overload, out_args, out_kwargs,
+            plain, slot, out_name, out_overload, out_args, out_kwargs
         ))
 
-    def add_alloc(
-        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t slot,
-        cbool cpu,
-    ):
+    def add_alloc(self, tuple plain, int64_t slot, cbool cpu):
         """ALLOC: arena slot ``slot`` (-1: none), else the direct CPU empty_strided (``cpu``),
-        else the CALL."""
-        return _why(self._impl().add_alloc(fn, name, overload, args, kwargs, outputs, slot, cpu))
+        else the plain form."""
+        return _why(self._impl().add_alloc(plain, slot, cpu))
 
-    def add_view(
-        self, fn, str name, str overload, tuple args, dict kwargs, outputs, int64_t kind,
-        cbool always, ints, strides, int64_t offset,
-    ):
+    def add_view(self, tuple plain, int64_t kind, cbool always, ints, strides, int64_t offset):
         """VIEW of kind ``kind`` (0 view, 1 t, 2 transpose, 3 permute, 4 reinterpret), made
-        inline on every call (``always``) or on calls with an arena; else the CALL."""
-        return _why(self._impl().add_view(
-            fn, name, overload, args, kwargs, outputs, kind, always, ints, strides, offset
-        ))
+        inline on every call (``always``) or on calls with an arena; else the plain form."""
+        return _why(self._impl().add_view(plain, kind, always, ints, strides, offset))
 
     def add_sym(self, fn, int64_t kind, tuple args, int64_t output):
         """SYM step ``kind`` (0 add ... 13 min, loop.h's order) on registers and ints."""

@@ -29,13 +29,13 @@
 
 #pragma once
 
+#include "arena_pool.h"
 #include "call.h"
 #include "inline_ops.h"
 #include "inputs.h"
 #include "pycall.h"
 #include "sym.h"
 
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -44,7 +44,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
+#include <stdexcept>
 #include <optional>
 #include <string>
 #include <utility>
@@ -62,53 +62,6 @@ struct Instr {
   enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE };
   Kind kind;
   size_t index;  // into calls_, outs_, allocs_, views_, syms_, forms_ (PYCALL) or frees_
-};
-
-// An input the arena requires to have the compiled size and dtype.
-struct ArenaInput {
-  size_t reg;
-  std::vector<int64_t> sizes;
-  at::ScalarType dtype;
-};
-
-// Arenas not in use, one pool per inference mode: an arena made in inference mode holds
-// inference tensors, which normal mode may not write.
-class ArenaPool {
- public:
-  std::unique_ptr<Arena> take(bool inference) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& pool = pools_[inference];
-    if (pool.empty()) {
-      return nullptr;
-    }
-    std::unique_ptr<Arena> arena = std::move(pool.back());
-    pool.pop_back();
-    return arena;
-  }
-  // Keeps at most `max_idle` arenas per pool; one more is freed (on return, outside the lock).
-  void give_back(std::unique_ptr<Arena> arena, bool inference) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pools_[inference].size() < max_idle_) {
-      pools_[inference].push_back(std::move(arena));
-    }
-  }
-  void set_max_idle(size_t n) { max_idle_ = n; }
-  size_t idle() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return pools_[0].size() + pools_[1].size();
-  }
-  // Frees every idle arena (CompiledGraph.release_memory()).
-  void clear() {
-    std::vector<std::unique_ptr<Arena>> dropped[2];
-    std::lock_guard<std::mutex> lock(mu_);
-    dropped[0].swap(pools_[0]);
-    dropped[1].swap(pools_[1]);
-  }
-
- private:
-  std::mutex mu_;
-  size_t max_idle_ = 2;
-  std::vector<std::unique_ptr<Arena>> pools_[2];
 };
 
 // Filled by run() when an instruction fails: what the caller needs to name the failing node.
@@ -136,68 +89,57 @@ class Executor {
     forms_.emplace_back();
   }
 
-  // CALL `name`.`overload`(*args, **kwargs) into `outputs`; `fn` is its Python form. Returns ""
-  // when added, else why it cannot be bound (nothing added).
-  std::string add_call(
-      PyObject* fn,
-      PyObject* name,
-      PyObject* overload,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
-      bool multi) {
+  // The add_* methods of CALL, OUT, ALLOC and VIEW take the instruction's plain form as one
+  // tuple, `(fn, name, overload, args, kwargs, outputs)`: `fn` is its Python form, and
+  // `name`.`overload`(*args, **kwargs) into `outputs` the op through the dispatcher. Each returns
+  // "" when added, else why it cannot be bound (nothing added).
+
+  // CALL: the plain form.
+  std::string add_call(PyObject* plain, bool multi) {
+    Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, multi, why);
+    std::optional<CallOp> call = bind(p, multi, why);
     if (!call.has_value()) {
       return why;
     }
-    push(Instr::CALL, calls_.size(), fn, args, kwargs, outputs, multi);
+    push(Instr::CALL, calls_.size(), p, multi);
     calls_.push_back(std::move(*call));
     return "";
   }
 
-  // OUT: the plain call, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
+  // OUT: the plain form, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
   // writing arena slot `slot`.
   std::string add_out(
-      PyObject* fn,
-      PyObject* name,
-      PyObject* overload,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
+      PyObject* plain,
       int64_t slot,
       PyObject* out_name,
       PyObject* out_overload,
       PyObject* out_args,
       PyObject* out_kwargs) {
+    Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    std::optional<CallOp> call = bind(p, false, why);
     if (!call.has_value()) {
       return why;
     }
-    std::optional<CallOp> out =
-        bind(out_name, out_overload, out_args, out_kwargs, outputs, false, why);
+    std::optional<CallOp> out = bind_call(
+        py::cast<std::string>(out_name), py::cast<std::string>(out_overload), out_args,
+        out_kwargs, p.outputs, false, refs_, why);
     if (!out.has_value()) {
       return "out= form: " + why;
     }
-    push(Instr::OUT, outs_.size(), fn, args, kwargs, outputs, false);
+    max_stack_ = std::max({max_stack_, out->args.size(), out->n_returns});
+    push(Instr::OUT, outs_.size(), p, false);
     outs_.push_back({std::move(*call), std::move(*out), slot});
     return "";
   }
 
   // ALLOC: arena slot `slot` (-1: none); with `cpu`, the plain call is a constant CPU
   // empty_strided made directly.
-  std::string add_alloc(
-      PyObject* fn,
-      PyObject* name,
-      PyObject* overload,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
-      int64_t slot,
-      bool cpu) {
+  std::string add_alloc(PyObject* plain, int64_t slot, bool cpu) {
+    Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    std::optional<CallOp> call = bind(p, false, why);
     if (!call.has_value()) {
       return why;
     }
@@ -205,26 +147,22 @@ class Executor {
     if (cpu && !bind_cpu_empty(alloc)) {
       return "empty_strided's arguments are not constants";
     }
-    push(Instr::ALLOC, allocs_.size(), fn, args, kwargs, outputs, false);
+    push(Instr::ALLOC, allocs_.size(), p, false);
     allocs_.push_back(std::move(alloc));
     return "";
   }
 
   // VIEW of kind `kind` (ViewOp::Kind) on the register the first argument reads.
   std::string add_view(
-      PyObject* fn,
-      PyObject* name,
-      PyObject* overload,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
+      PyObject* plain,
       int64_t kind,
       bool always,
       const std::vector<int64_t>& ints,
       const std::vector<int64_t>& strides,
       int64_t offset) {
+    Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(name, overload, args, kwargs, outputs, false, why);
+    std::optional<CallOp> call = bind(p, false, why);
     if (!call.has_value()) {
       return why;
     }
@@ -237,7 +175,7 @@ class Executor {
     view.ints = ints;
     view.strides = strides;
     view.offset = offset;
-    push(Instr::VIEW, views_.size(), fn, args, kwargs, outputs, false);
+    push(Instr::VIEW, views_.size(), p, false);
     views_.push_back(std::move(view));
     return "";
   }
@@ -265,7 +203,8 @@ class Executor {
       return "wrong number of operands";
     }
     py::object kwargs = steal_or_throw(PyDict_New());
-    push(Instr::SYM, syms_.size(), fn, args, kwargs.ptr(), {output}, false);
+    forms_.push_back(bind_pycall(fn, args, kwargs.ptr(), {output}, false, refs_));
+    code_.push_back({Instr::SYM, syms_.size()});
     syms_.push_back(std::move(sym));
     return "";
   }
@@ -276,7 +215,8 @@ class Executor {
       PyObject* kwargs,
       const std::vector<int64_t>& outputs,
       bool multi) {
-    push(Instr::PYCALL, code_.size(), fn, args, kwargs, outputs, multi);
+    forms_.push_back(bind_pycall(fn, args, kwargs, outputs, multi, refs_));
+    code_.push_back({Instr::PYCALL, code_.size()});
   }
 
   // The arena: `factory()` makes one (a list of tensors, one per slot); at most `max_idle`
@@ -360,17 +300,27 @@ class Executor {
         .count();
   }
 
-  std::optional<CallOp> bind(
-      PyObject* name,
-      PyObject* overload,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
-      bool multi,
-      std::string& why) {
+  // A plain form tuple (see add_call), borrowed from the caller's reference.
+  struct Plain {
+    explicit Plain(PyObject* tuple) {
+      if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 6) {
+        throw std::invalid_argument("a plain form is (fn, name, overload, args, kwargs, outputs)");
+      }
+      fn = PyTuple_GET_ITEM(tuple, 0);
+      name = PyTuple_GET_ITEM(tuple, 1);
+      overload = PyTuple_GET_ITEM(tuple, 2);
+      args = PyTuple_GET_ITEM(tuple, 3);
+      kwargs = PyTuple_GET_ITEM(tuple, 4);
+      outputs = py::cast<std::vector<int64_t>>(PyTuple_GET_ITEM(tuple, 5));
+    }
+    PyObject *fn, *name, *overload, *args, *kwargs;
+    std::vector<int64_t> outputs;
+  };
+
+  std::optional<CallOp> bind(const Plain& p, bool multi, std::string& why) {
     std::optional<CallOp> call = bind_call(
-        py::cast<std::string>(name), py::cast<std::string>(overload), args, kwargs, outputs, multi,
-        refs_, why);
+        py::cast<std::string>(p.name), py::cast<std::string>(p.overload), p.args, p.kwargs,
+        p.outputs, multi, refs_, why);
     if (call.has_value()) {
       max_stack_ = std::max({max_stack_, call->args.size(), call->n_returns});
     }
@@ -378,15 +328,8 @@ class Executor {
   }
 
   // Appends an instruction and its Python form.
-  void push(
-      Instr::Kind kind,
-      size_t index,
-      PyObject* fn,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
-      bool multi) {
-    forms_.push_back(bind_pycall(fn, args, kwargs, outputs, multi, refs_));
+  void push(Instr::Kind kind, size_t index, const Plain& p, bool multi) {
+    forms_.push_back(bind_pycall(p.fn, p.args, p.kwargs, p.outputs, multi, refs_));
     code_.push_back({kind, index});
   }
 
@@ -584,60 +527,5 @@ class Executor {
   bool constants_need_grad_ = false;
   mutable ArenaPool pool_;
 };
-
-// Whether torch.ops would route this call's ops through __torch_function__: 0 no, 1 yes (a
-// TorchFunctionMode is active), 2 maybe (an input is a tensor subclass, which may override it;
-// torch._C._has_torch_function decides). The compiled loop calls ops below that layer, so the
-// loop runs such calls through each instruction's Python form.
-inline int torch_function_state(PyObject* inputs) {
-  if (at::impl::torch_function_mode_enabled()) {
-    return 1;
-  }
-  if (PyList_Check(inputs) || PyTuple_Check(inputs)) {
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(inputs); ++i) {
-      PyObject* x = PySequence_Fast_GET_ITEM(inputs, i);
-      if (!THPVariable_CheckExact(x) && THPVariable_Check(x)) {
-        return 2;
-      }
-    }
-  }
-  return 0;
-}
-
-// The registers of a failed run as a Python list (None where one cannot be converted), for the
-// error message.
-inline PyObject* failure_registers(Failure& failure) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(failure.regs.size()));
-  if (list == nullptr) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < failure.regs.size(); ++i) {
-    PyObject* obj = nullptr;
-    try {
-      obj = to_python(failure.regs[i]);
-    } catch (...) {
-      obj = nullptr;
-    }
-    if (obj == nullptr) {
-      PyErr_Clear();
-      Py_INCREF(Py_None);
-      obj = Py_None;
-    }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), obj);
-  }
-  failure.regs.clear();
-  return list;
-}
-
-// Cython's handler for C++ exceptions thrown while an Executor is built: torch's own translation
-// (python_error restored, c10::Error -> RuntimeError, ...). Called inside a catch block.
-inline void set_python_error() {
-  torch::translate_exception_to_python(std::current_exception());
-}
-
-// The torch version this extension was compiled against.
-inline const char* built_torch_version() {
-  return FXRT_TORCH_VERSION;
-}
 
 }  // namespace fxrt

@@ -232,7 +232,7 @@ class NativeLoop(_Executor):
         if isinstance(ins, OutCall):
             out = ins.out_target._schema
             return self.add_out(
-                *plain,
+                plain,
                 ins.slot,
                 str(out.name),
                 out.overload_name,
@@ -240,13 +240,13 @@ class NativeLoop(_Executor):
                 dict(ins.out_kwargs),
             )
         if isinstance(ins, Alloc):
-            return self.add_alloc(*plain, ins.slot, ins.cpu)
+            return self.add_alloc(plain, ins.slot, ins.cpu)
         if isinstance(ins, View):
             kind = _VIEW_KINDS[ins.view]
             return self.add_view(
-                *plain, kind, ins.always, list(ins.ints), list(ins.strides), ins.offset
+                plain, kind, ins.always, list(ins.ints), list(ins.strides), ins.offset
             )
-        return self.add_call(*plain, ins.multi)
+        return self.add_call(plain, ins.multi)
 
     def release_memory(self) -> None:
         """Free the arenas kept between calls (calls running now keep theirs until they return)."""
