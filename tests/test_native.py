@@ -515,3 +515,39 @@ if __name__ == "__main__":
         print(f"{clock.__name__}:")
         for name, us in bench_chain(clock=clock).items():
             print(f"  {name:>14}: {us:.3f} us/node")
+
+
+@needs_native
+def test_sym_steps_follow_python_integer_semantics():
+    # SYM steps run in C++ on int64: floor division and modulo round toward negative infinity as
+    # Python's do; overflow and division by zero take the Python call, which gives Python's answer
+    # or error.
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    ops = (
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.mod,
+        operator.lt,
+        operator.ge,
+        torch.sym_max,
+        torch.sym_min,
+    )
+    g.output(
+        tuple(g.call_function(op, (a, b)) for op in ops) + (g.call_function(operator.neg, (a,)),)
+    )
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    cg = fxrt.compile_graph(gm, [7, 2])
+    assert not cg.program.fallbacks
+    assert {i.KIND for i in cg.program.code} == {"SYM"}
+    py, nat = both_loops(cg.program)
+    big = 2**62
+    for x, y in [(7, 2), (-7, 2), (7, -2), (-7, -2), (0, 5), (big, 4), (-(2**63), -1), (big, big)]:
+        want = gm(x, y)
+        assert py([x, y]) == want == nat([x, y]), (x, y)
+        assert [type(v) for v in nat([x, y])] == [type(v) for v in want]
+    for loop in (py, nat):
+        with pytest.raises(ZeroDivisionError):
+            loop([3, 0])

@@ -28,14 +28,6 @@ import fxrt
 from fxrt.models import MLP, DecoderBlock, OpChain
 
 
-@pytest.fixture(scope="module")
-def dev():
-    try:
-        return standin.load()
-    except standin.Unavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture(autouse=True)
 def _idle_device(request):
     yield
@@ -414,3 +406,21 @@ def test_opinfo_slice(dev, executor, op_name, variant):
         sweep.assert_same(to_cpu(first[0]), first[1], 0.0, 0.0, "first result after the second")
         assert {cg.executor for cg in built} <= {executor}
     assert compared, "no sample ran in eager"
+
+
+@pytest.mark.parametrize("pure_python", [False, True], ids=["cpp", "python"])
+def test_deploy_package_loads_onto_the_device(dev, tmp_path, pure_python):
+    # fxrt.load(path, device="fxrt_standin"): the weights move there and the graph runs there; the
+    # bare device name means the current device, as for "cuda".
+    torch.manual_seed(0)
+    model = MLP(64, 2).eval()
+    x = torch.randn(4, 64)
+    path = tmp_path / "mlp.fxrt"
+    fxrt.export(model, (x,)).save(path)
+    loaded = fxrt.load(path, device="fxrt_standin", options={"pure_python": pure_python})
+    for inp in (x, torch.randn(4, 64)):
+        out = loaded(inp.to("fxrt_standin"))
+        assert out.device.type == "fxrt_standin"
+        torch.testing.assert_close(out.cpu(), model(inp))
+    with pytest.raises(fxrt.InputError, match="device"):
+        loaded(x)  # a CPU input is named, not run on the wrong device

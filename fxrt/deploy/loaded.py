@@ -138,7 +138,9 @@ def _build(
         if not isinstance(m[key], dict):
             raise _fail(f"{key} must be an object")
     export_device = _device(m["device"], "device")
-    target = export_device if device is None else torch.device(device)
+    # "cuda" means the current CUDA device, as a tensor made there records it ("cuda:0"): the
+    # weights, the graph and the input check must all name that one device.
+    target = export_device if device is None else torch.empty(0, device=device).device
 
     from ..exec.native import extension_status
 
