@@ -21,6 +21,7 @@ from . import cache, profiler
 from .artifact import ArtifactError, TensorRecord, content_hash, decode_tensor, pack, unpack
 from .config import CompilerConfig
 from .dump import Dumper
+from .exec.capture import CaptureReport, CaptureRunner
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan
@@ -73,11 +74,25 @@ class CompiledGraph:
         self.pass_records: list[PassRecord] = []
         self.stage_records: list[PassRecord] = []
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
+        self._capture: CaptureRunner | None = None
+        if config.capture_enabled:
+            loop_class = type(self._loop)
+            self._capture = CaptureRunner(
+                self.name,
+                graph,
+                self.program,
+                config,
+                self._loop,
+                # Captures allocate their arena in the graph pool and keep none between calls.
+                lambda: loop_class(self.program, arena_max_idle=0),
+            )
 
     def __call__(self, *args: Any) -> Any:
         inputs = args[0] if len(args) == 1 and type(args[0]) is list else args
         if (_profiling and profiler.active()) or torch.autograd.profiler._is_profiler_enabled:
             return self._run_instrumented(inputs)
+        if self._capture is not None:
+            return self._capture(inputs)
         return self._loop(inputs)
 
     def _run_instrumented(self, inputs: Any) -> Any:
@@ -98,9 +113,20 @@ class CompiledGraph:
         return out
 
     def release_memory(self) -> None:
-        """Free the arenas this graph keeps between calls (see ``arena_max_idle``); the next
-        call allocates one again."""
+        """Free the arenas this graph keeps between calls (see ``arena_max_idle``) and, with
+        capture on, its device graphs and their pool; the next call allocates (or captures)
+        again."""
         self._loop.release_memory()
+        if self._capture is not None:
+            self._capture.release()
+
+    def capture_report(self) -> CaptureReport:
+        """What whole-graph capture (``mode="reduce-overhead"``) did: per input signature,
+        whether it was captured, its captures and replays, and, for what runs the loop, why
+        (naming the node or input). ``print()`` it."""
+        if self._capture is None:
+            return CaptureReport(self.name, False)
+        return self._capture.report()
 
     def dump_artifacts(self) -> bytes:
         """A self-contained, data-only artifact: the IR, the constants the graph owns, the pass
