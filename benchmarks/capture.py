@@ -100,13 +100,14 @@ def main() -> None:
             # The decode step rewrites the same cache position from the same input on every
             # call, so every call's result is eager's.
             want = model(*inputs)
-            t0 = time.perf_counter()
-            for fn in fns.values():  # warm up, capture, and check against eager
+            setup_s = {}
+            for comp, fn in fns.items():  # compile, warm up, capture; check against eager
+                t0 = time.perf_counter()
                 for _ in range(3):
                     got = fn(*inputs)
+                module.synchronize()
+                setup_s[comp] = time.perf_counter() - t0
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            module.synchronize()
-            setup_s = time.perf_counter() - t0
 
             def done(fn: Callable) -> Callable:
                 def call(*xs: Any) -> None:
@@ -131,6 +132,11 @@ def main() -> None:
             f"| {name} | {h['loop']:.1f} | {h['replay']:.1f} | {h['replay'] / h['loop']:.2f}x "
             f"| {d['loop']:.1f} | {d['replay']:.1f} | {d['replay'] / d['loop']:.2f}x |"
         )
+    lines.append("")
+    lines.append("first three calls (compile, warmup, capture), s: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["setup_s"].items())
+        for name, r in results.items()
+    ))  # fmt: skip
     table = (
         "\n".join(lines) + f"\n\n({args.device}, {args.clock} clock for host, {args.rounds} rounds)"
     )
