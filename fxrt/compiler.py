@@ -5,6 +5,7 @@ lifetime plan, arena, lowering) to a :class:`CompiledGraph`, the executor of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -24,7 +25,7 @@ from .dump import Dumper
 from .exec.capture import CaptureReport, CaptureRunner
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
-from .exec.plan import Plan
+from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
 from .ir import Graph, from_fx, graph_to_text
 from .passes import PassRecord
@@ -85,6 +86,7 @@ class CompiledGraph:
                 self._loop,
                 # Captures allocate their arena in the graph pool and keep none between calls.
                 lambda: loop_class(self.program, arena_max_idle=0),
+                lambda sub, capture: _region_graph(sub, config, capture),
             )
 
     def __call__(self, *args: Any) -> Any:
@@ -326,6 +328,15 @@ def _dump_hit(root: str, gm: torch.fx.GraphModule | None, cg: CompiledGraph, ent
         "by the process that compiled it",
     )
     dump.final(cg.graph, cg.program)
+
+
+def _region_graph(graph: Graph, config: CompilerConfig, capture: bool) -> CompiledGraph:
+    """A region of a graph that capture splits (:mod:`fxrt.exec.capturable`), compiled as a graph
+    of its own: its nodes are the graph's, already through the passes, so only the plan and the
+    program are made. The whole graph's call checked the inputs already."""
+    config = dataclasses.replace(config, capture=capture, check_inputs=False, cache=False)
+    plan = plan_lifetimes(graph)
+    return CompiledGraph(graph, plan, lower_program(graph, plan, config), config)
 
 
 def compile_graph(

@@ -241,7 +241,7 @@ def _graph(fn: Callable, *inputs: Any) -> torch.fx.GraphModule:
     ],
     ids=["item", "nonzero", "cpu"],
 )
-def test_uncapturable_graph_runs_the_loop_and_names_the_node(dev, executor, fn, expect):
+def test_uncapturable_node_runs_on_the_loop_and_is_named(dev, executor, fn, expect):
     skip_unless_executor(executor)
     x = torch.randn(4, 4)
     config = fxrt.CompilerConfig(pure_python=executor == "python", cache=False, capture=True)
@@ -250,8 +250,41 @@ def test_uncapturable_graph_runs_the_loop_and_names_the_node(dev, executor, fn, 
         x = torch.randn(4, 4)
         torch.testing.assert_close(to_cpu(cg(to_device(x))), fn(x))
     report = cg.capture_report()
-    assert report.captured == 0 and expect in report.reason, str(report)
-    assert "node" in report.reason
+    assert report.regions, str(report)  # captured around the node that cannot be
+    loop = [r for _, r in report.regions if isinstance(r, str)]
+    assert loop and expect in loop[0] and loop[0].startswith("node "), str(report)
+
+
+def test_regions_around_a_host_read_are_captured(dev, executor):
+    """A host read in the middle of a graph: the regions before and after it are captured and
+    replayed, the read runs on the loop, and the values equal eager's on every call."""
+    skip_unless_executor(executor)
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 16), torch.randn(16, 16)
+
+    def fn(x, w1, w2):
+        a = (x @ w1).relu()
+        n = a.sum().item()  # read on the host
+        b = (a @ w2).sigmoid() * 3
+        return b, a.mean() + n
+
+    x = torch.randn(4, 16)
+    args = to_device((x, w1, w2))
+    config = fxrt.CompilerConfig(pure_python=executor == "python", cache=False, capture=True)
+    cg = fxrt.compile_graph(_graph(fn, *args), list(args), config)
+    got = []
+    for _ in range(4):
+        x = torch.randn(4, 16)
+        got.append((cg(*to_device((x, w1, w2))), fn(x, w1, w2)))
+    for g, want in got:
+        torch.testing.assert_close(to_cpu(g), want)
+    report = cg.capture_report()
+    text = str(report)
+    kinds = [isinstance(r, str) for _, r in report.regions]
+    assert kinds.count(True) >= 1 and kinds.count(False) >= 2, text
+    assert "_local_scalar_dense" in text, text
+    first = report.regions[0][1]
+    assert first.captured == 1 and first.signatures[0].replays >= 2, text
 
 
 def test_cpu_mode_reduce_overhead_runs_the_loop(executor):
@@ -366,7 +399,7 @@ def test_a_capture_the_device_refuses_names_the_node(dev, executor, monkeypatch)
     of the node that caused it, and the calls run the loop."""
     import fxrt.exec.capture as capture
 
-    monkeypatch.setattr(capture, "capture_blockers", lambda graph, program: [])
+    monkeypatch.setattr(capture, "node_blockers", lambda graph, program: {})
     skip_unless_executor(executor)
 
     def fn(x):

@@ -38,152 +38,21 @@ previous replay's waits for that stream), so threads may share it.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..ir.graph import Graph, OpKind, ValueKind, refs_in
+from ..ir.graph import Graph
+from .capturable import RegionRunner, mutated_inputs, node_blockers, split_regions
+from .capture_report import CaptureReport, SignatureReport, copy_report
 from .device_graphs import GraphAPI, graph_api
 from .guards import fills_uninitialized_memory, torch_function_active
-from .program import Program, PyCall
+from .program import Program
 
 log = logging.getLogger("fxrt")
-
-# Ops that read a tensor's metadata, not its data: the host may call them while capturing.
-_METADATA_OPS = frozenset(
-    "size stride dim numel storage_offset is_contiguous is_same_size is_floating_point "
-    "is_complex element_size".split()
-)
-_HOST_TYPES = frozenset(("int", "float", "bool", "Scalar", "number", "complex"))
-_UNBACKED = re.compile(r"\bu\d+\b")
-# Ops whose result's shape depends on tensor data: the host must read it (a sync).
-_DATA_DEPENDENT = frozenset(
-    "nonzero argwhere masked_select unique _unique _unique2 unique_consecutive unique_dim "
-    "bincount".split()
-)
-
-
-def capture_blockers(graph: Graph, program: Program) -> list[str]:
-    """Why no run of ``program`` can be captured, one sentence per cause naming the node or the
-    input (empty: it may be)."""
-    why: list[str] = []
-    values = graph.values
-    for pos, vid in enumerate(graph.inputs):
-        meta = values[vid].meta
-        if meta is not None and meta.device == "cpu":
-            why.append(f"input {pos} ({values[vid].name}) is a CPU tensor")
-    for vid, obj in graph.constants.items():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            why.append(f"constant {values[vid].name} is a CPU tensor")
-    for node in graph.nodes:
-        what = f"node {node.name} ({node.op.name})"
-        if node.op.kind is OpKind.ATEN:
-            schema = node.op.schema
-            base = schema.name.split("::")[-1]
-            reads_host = any(str(r.type) in _HOST_TYPES for r in schema.returns)
-            if reads_host and base not in _METADATA_OPS and not base.startswith("sym_"):
-                why.append(f"{what} reads a device value on the host")
-                continue
-            if base in _DATA_DEPENDENT:
-                why.append(f"{what} has a data-dependent shape")
-                continue
-        for vid in node.outputs:
-            meta = values[vid].meta
-            if meta is None:
-                continue
-            if any(_UNBACKED.search(str(s)) for s in meta.shape):
-                why.append(f"{what} has a data-dependent shape ({values[vid].name}: {meta})")
-                break
-            if meta.device == "cpu":
-                why.append(f"{what} makes a CPU tensor ({values[vid].name})")
-                break
-    for ins in program.code:
-        if isinstance(ins, PyCall):
-            tensors = [
-                r
-                for r in refs_in((ins.args, ins.kwargs))
-                if r < len(values) and values[r].kind is ValueKind.TENSOR
-            ]
-            if tensors:
-                info = program.nodes[ins.node]
-                why.append(
-                    f"node {info.name} ({info.op}) runs in Python and reads tensor "
-                    f"{values[tensors[0]].name}"
-                )
-    return why
-
-
-def mutated_inputs(graph: Graph) -> frozenset[int]:
-    """Positions of the graph inputs some node writes (through a view or not)."""
-    from ..ops.aliasing import alias_sets, bind_schema_args
-
-    roots = alias_sets(graph).root
-    written: set[int] = set()
-    for node in graph.nodes:
-        if node.op.kind is not OpKind.ATEN:
-            written.update(roots[v] for v in node.input_ids())  # opaque Python: assume it writes
-            continue
-        schema = node.op.schema
-        if not schema.is_mutable:
-            continue
-        bound = bind_schema_args(schema, node.args, node.kwargs)
-        for a in schema.arguments:
-            if a.alias_info is not None and a.alias_info.is_write and a.name in bound:
-                written.update(roots[v] for v in refs_in(bound[a.name]))
-    return frozenset(i for i, vid in enumerate(graph.inputs) if roots[vid] in written)
-
-
-@dataclass
-class SignatureReport:
-    """One input signature's capture: how its calls ran, and why it is not captured."""
-
-    signature: str
-    captured: bool = False
-    captures: int = 0  # recaptures included
-    replays: int = 0
-    loop_calls: int = 0
-    copied_inputs: tuple[int, ...] = ()
-    fixed_inputs: tuple[int, ...] = ()
-    reason: str = ""  # why its calls run the loop (empty: they do not, or it is warming up)
-
-    def line(self) -> str:
-        if self.captured:
-            state = (
-                f"captured ({self.captures} capture(s), {self.replays} replay(s); inputs copied "
-                f"in: {list(self.copied_inputs)}, {len(self.fixed_inputs)} read in place)"
-            )
-        elif self.reason:
-            state = f"not captured: {self.reason}"
-        else:
-            state = "warming up"
-        return f"{self.signature}: {state}; {self.loop_calls} loop call(s)"
-
-
-@dataclass
-class CaptureReport:
-    """What :meth:`fxrt.CompiledGraph.capture_report` returns; ``str()`` reads it."""
-
-    graph: str
-    enabled: bool
-    reason: str = ""  # why the whole graph runs the loop (empty: it does not)
-    signatures: list[SignatureReport] = field(default_factory=list)
-
-    @property
-    def captured(self) -> int:
-        return sum(s.captured for s in self.signatures)
-
-    def __str__(self) -> str:
-        if not self.enabled:
-            return f"capture of {self.graph}: off"
-        head = f"capture of {self.graph}: {self.captured} signature(s) captured"
-        if self.reason:
-            head += f"; the graph runs the loop: {self.reason}"
-        return "\n".join([head, *("  " + s.line() for s in self.signatures)])
 
 
 class _Entry:
@@ -270,6 +139,7 @@ class CaptureRunner:
         config: Any,
         loop: Callable[[Sequence[Any]], Any],
         make_capture_loop: Callable[[], Callable[[Sequence[Any]], Any]],
+        make_region: Callable[[Graph, bool], Any],
     ):
         self.name = name
         self.graph = graph
@@ -277,12 +147,14 @@ class CaptureRunner:
         self.config = config
         self.loop = loop
         self._make_capture_loop = make_capture_loop
+        self._make_region = make_region
+        self._regions: RegionRunner | None = None
         self._capture_loop: Callable[[Sequence[Any]], Any] | None = None
         self._lock = threading.Lock()
         self._entries: dict[tuple, _Entry] = {}
         self._order: list[_Entry] = []
         self._reason = "force_eager is set" if config.force_eager else ""
-        self._blockers: list[str] | None = None
+        self._blockers: dict[int, str] | None = None
         self._mutated: frozenset[int] | None = None
         self._api: GraphAPI | None = None
         self._pool: Any = None
@@ -299,6 +171,8 @@ class CaptureRunner:
     def __call__(self, inputs: Sequence[Any]) -> Any:
         if self._reason or not self._may_capture(inputs):
             return self.loop(inputs)
+        if self._regions is not None:
+            return self._regions(inputs)
         key = _signature(inputs)
         with self._lock:
             entry = self._entries.get(key)
@@ -363,11 +237,13 @@ class CaptureRunner:
     def _capture(self, entry: _Entry, inputs: Sequence[Any]) -> Any:
         report = entry.report
         if self._blockers is None:
-            self._blockers = capture_blockers(self.graph, self.program)
+            self._blockers = node_blockers(self.graph, self.program)
             self._mutated = mutated_inputs(self.graph)
-        if self._blockers:
-            more = len(self._blockers) - 1
-            self._disable(self._blockers[0] + (f" (and {more} more)" if more else ""))
+            if self._blockers:
+                self._split()
+        if self._regions is not None:
+            return self._regions(inputs)
+        if self._reason:
             report.loop_calls += 1
             return self.loop(inputs)
         api = self._api
@@ -410,6 +286,26 @@ class CaptureRunner:
         report.fixed_inputs = tuple(i for i, _ in fixed)
         log.info("fxrt capture: %s captured %s", self.name, report.signature)
         return self._replay(entry, inputs, copied=True)
+
+    def _split(self) -> None:
+        """Some nodes cannot be captured: capture the regions between them (or, when no node
+        can be, run the loop)."""
+        blocked = self._blockers
+        reasons = list(blocked.values())
+        if len(blocked) == len(self.graph.nodes):
+            more = len(reasons) - 1
+            self._disable(reasons[0] + (f" (and {more} more)" if more else ""))
+            return
+        regions = split_regions(self.graph, blocked)
+        self._regions = RegionRunner(self.graph, self.program, regions, self._make_region)
+        log.info(
+            "fxrt capture: %s is captured in %d regions around what cannot be: %s",
+            self.name,
+            len(regions),
+            "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""),
+        )
+        for entry in self._order:  # the signatures seen so far belong to the whole graph
+            entry.report.reason = "the graph runs in regions"
 
     def _fixed(self, entry: _Entry, i: int, x: torch.Tensor) -> bool:
         if not self.config.clone_input or i in self._mutated:
@@ -520,9 +416,12 @@ class CaptureRunner:
 
     def report(self) -> CaptureReport:
         with self._lock:
-            return CaptureReport(
-                self.name, True, self._reason, [_copy_report(e.report) for e in self._order]
+            report = CaptureReport(
+                self.name, True, self._reason, [copy_report(e.report) for e in self._order]
             )
+        if self._regions is not None:
+            report.regions = self._regions.report()
+        return report
 
     def release(self) -> None:
         """Free the captures and the pool; later calls capture again."""
@@ -534,6 +433,8 @@ class CaptureRunner:
             self._order.clear()
             self._pool = None
             self._capture_loop = None
+            if self._regions is not None:
+                self._regions.release()
 
 
 def _first_cause(e: BaseException) -> str:
@@ -548,8 +449,4 @@ def _first_cause(e: BaseException) -> str:
     return "; then ".join(lines)
 
 
-def _copy_report(r: SignatureReport) -> SignatureReport:
-    return SignatureReport(**vars(r))
-
-
-__all__ = ["CaptureReport", "CaptureRunner", "SignatureReport", "capture_blockers"]
+__all__ = ["CaptureReport", "CaptureRunner", "SignatureReport"]
