@@ -77,22 +77,17 @@ class _Entry:
 
 
 def _signature(inputs: Sequence[Any]) -> tuple:
-    parts: list[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            parts.append(
-                (
-                    x.dtype,
-                    x.device,
-                    tuple(x.shape),
-                    x.stride(),
-                    x.storage_offset(),
-                    x.untyped_storage().nbytes(),
-                )
-            )
-        else:
-            parts.append((type(x), x))
-    return tuple(parts)
+    # The storage's size is not part of it: a copy that takes the whole storage checks it.
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        *[
+            (x.dtype, x.device, x.shape, x.stride(), x.storage_offset())
+            if isinstance(x, torch.Tensor)
+            else (type(x), x)
+            for x in inputs
+        ],
+    )
 
 
 def _describe(inputs: Sequence[Any]) -> str:
@@ -202,10 +197,11 @@ class CaptureRunner:
         ):
             return False
         if self._api is None:
-            device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
-            if device is None:
+            devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
+            if not devices:
                 self._disable("the graph has no tensor input to say which device it runs on")
                 return False
+            device = next((d for d in devices if d.type != "cpu"), devices[0])
             api = graph_api(device.type)
             if isinstance(api, str):
                 self._disable(api)
@@ -363,6 +359,9 @@ class CaptureRunner:
         for i, ptr in entry.fixed:
             if inputs[i].data_ptr() != ptr:
                 return self._recapture(entry, inputs, i)
+        for i, static, whole in entry.copies:
+            if whole and inputs[i].untyped_storage().nbytes() != static.untyped_storage().nbytes():
+                return self._recapture(entry, inputs, i, "changed storage size")
         stream = torch.accelerator.current_stream(self._device)
         if self._last_stream is not None and stream != self._last_stream:
             stream.wait_stream(self._last_stream)
@@ -373,21 +372,24 @@ class CaptureRunner:
         entry.report.replays += 1
         return self._outputs(entry, inputs)
 
-    def _recapture(self, entry: _Entry, inputs: Sequence[Any], moved: int) -> Any:
+    def _recapture(
+        self, entry: _Entry, inputs: Sequence[Any], moved: int, why: str = "changed address"
+    ) -> Any:
         report = entry.report
         if report.captures >= self.config.capture_limit:
-            report.reason = f"input {moved} changed address {report.captures} times"
+            report.reason = f"input {moved} {why} {report.captures} times"
             report.captured = False
             entry.graph = None
             report.loop_calls += 1
             return self.loop(inputs)
-        if moved not in self._mutated:
+        if moved not in self._mutated and why == "changed address":
             entry.moved.add(moved)
         log.info(
-            "fxrt capture: %s %s: input %d changed address; recapturing",
+            "fxrt capture: %s %s: input %d %s; recapturing",
             self.name,
             report.signature,
             moved,
+            why,
         )
         entry.graph.reset()
         entry.graph = entry.outputs = None
