@@ -355,20 +355,27 @@ def test_shared_graph_pool_and_release_memory(dev, executor):
             torch.testing.assert_close(f1(to_device(x)).cpu(), m1(x))
 
 
-def test_grad_mode_with_inputs_requiring_grad_runs_the_loop(dev, executor):
+def test_training_step_equals_eager(dev, executor):
+    """Under autograd, AOTAutograd calls the forward and backward graphs without grad: both are
+    captured (the outputs the backward saves are clones), and gradients equal eager's."""
     torch.manual_seed(0)
 
     def fn(x, w):
-        return (x @ w).relu()
+        return (x @ w).relu().sum()
 
     g = compiled(fn, executor)
-    w = to_device(torch.randn(4, 4)).requires_grad_()
-    for _ in range(3):
-        x = to_device(torch.randn(2, 4))
-        y = g(x, w)
-        y.sum().backward()
-        assert w.grad is not None
-    torch.testing.assert_close(y.detach().cpu(), (x.cpu() @ w.detach().cpu()).relu())
+    w_cpu = torch.randn(4, 4, requires_grad=True)
+    w = w_cpu.detach().to(standin.name()).requires_grad_()
+    with recording_compiles() as built:
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            w.grad = w_cpu.grad = None
+            g(to_device(x), w).backward()
+            fn(x, w_cpu).backward()
+            torch.testing.assert_close(w.grad.cpu(), w_cpu.grad)
+    reports = [cg.capture_report() for cg in built]
+    assert len(reports) == 2, [str(r) for r in reports]
+    assert all(r.captured == 1 for r in reports), [str(r) for r in reports]
 
 
 def test_bad_input_is_named_before_any_capture(dev, executor):
