@@ -1,0 +1,1365 @@
+// fxrt::Model: a package's stored program (fxrt/deploy/program_data.py) loaded onto the compiled
+// loop (fxrt/_speedups/loop.h, built here with FXRT_NO_PYTHON).
+//
+// Loading trusts nothing in the file. read_package() checks the structure and hashes; then:
+//
+// 1. ops: every op of the manifest's table is looked up in the dispatcher by its qualified name
+//    and its schema compared with the stored one (a package from another torch loads only if
+//    they all agree, else the error names the op);
+// 2. weights: views of their entries in the mapped file, geometry checked against the entry;
+//    graph tensors (constants fxrt made): rebuilt from their entries, digests checked;
+// 3. the program: each instruction's kind, node, op (which must be in the checked table),
+//    registers (in range, defined before they are read, not after a FREE), arena slots (in
+//    range, inside the arena), and arguments, bound to the op's schema as the Python extension
+//    binds them (positional, then keyword, then the schema's defaults; constants converted to the
+//    schema's type). Anything else is a PackageError naming the instruction and its node. A
+//    PYCALL (a node that runs Python) is refused, naming the node.
+// 4. the signature: which graph input is a weight, a user tensor or a constant; which output is
+//    the user's or a buffer/input mutation to copy back.
+//
+// run() writes the inputs into a fresh register file, checks them as the Python binder and loop
+// do (naming the input), and runs the Executor.
+
+#include "fxrt/model.h"
+
+#include "json.h"
+#include "package.h"
+#include "sha256.h"
+
+#include "loop.h"
+#include "own_ops.h"  // fxrt's own CPU ops, which graphs may call
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+namespace fxrt {
+
+namespace {
+
+using json::clip;
+using json::Value;
+
+constexpr int64_t kMaxRegs = int64_t{1} << 24;
+constexpr int64_t kMaxDims = 64;
+
+[[noreturn]] void fail(const std::string& why) {
+  throw PackageError("invalid fxrt package: " + why);
+}
+
+const Value& member(const Value& obj, const char* key, const std::string& where) {
+  const Value* v = obj.find(key);
+  if (v == nullptr) {
+    fail(where + ": no field \"" + key + "\"");
+  }
+  return *v;
+}
+
+const Value& object(const Value& obj, const char* key, const std::string& where) {
+  const Value& v = member(obj, key, where);
+  if (!v.is_object()) {
+    fail(where + ": \"" + key + "\" must be an object");
+  }
+  return v;
+}
+
+const Value& array(const Value& obj, const char* key, const std::string& where) {
+  const Value& v = member(obj, key, where);
+  if (!v.is_array()) {
+    fail(where + ": \"" + key + "\" must be a list");
+  }
+  return v;
+}
+
+int64_t integer(const Value& v, const std::string& where, int64_t lo, int64_t hi) {
+  if (!v.is_int() || v.i < lo || v.i > hi) {
+    fail(where + ": expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+         "]");
+  }
+  return v.i;
+}
+
+bool boolean(const Value& v, const std::string& where) {
+  if (v.type != Value::BOOL) {
+    fail(where + ": expected a bool");
+  }
+  return v.b;
+}
+
+const std::string& string(const Value& v, const std::string& where) {
+  if (!v.is_string()) {
+    fail(where + ": expected a string");
+  }
+  return v.s;
+}
+
+std::vector<int64_t> ints(const Value& v, const std::string& where, int64_t lo, int64_t hi) {
+  if (!v.is_array() || v.a.size() > static_cast<size_t>(kMaxRegs)) {
+    fail(where + ": expected a list of integers");
+  }
+  std::vector<int64_t> out;
+  out.reserve(v.a.size());
+  for (const Value& x : v.a) {
+    out.push_back(integer(x, where, lo, hi));
+  }
+  return out;
+}
+
+// ---- dtypes, devices and the other tagged constants of fxrt.serialize's argument encoding
+
+struct Named {
+  const char* name;
+  int64_t value;
+};
+
+const Named kDTypes[] = {
+    {"torch.float32", static_cast<int64_t>(c10::kFloat)},
+    {"torch.float64", static_cast<int64_t>(c10::kDouble)},
+    {"torch.float16", static_cast<int64_t>(c10::kHalf)},
+    {"torch.bfloat16", static_cast<int64_t>(c10::kBFloat16)},
+    {"torch.int64", static_cast<int64_t>(c10::kLong)},
+    {"torch.int32", static_cast<int64_t>(c10::kInt)},
+    {"torch.int16", static_cast<int64_t>(c10::kShort)},
+    {"torch.int8", static_cast<int64_t>(c10::kChar)},
+    {"torch.uint8", static_cast<int64_t>(c10::kByte)},
+    {"torch.uint16", static_cast<int64_t>(c10::kUInt16)},
+    {"torch.uint32", static_cast<int64_t>(c10::kUInt32)},
+    {"torch.uint64", static_cast<int64_t>(c10::kUInt64)},
+    {"torch.bool", static_cast<int64_t>(c10::kBool)},
+    {"torch.complex64", static_cast<int64_t>(c10::kComplexFloat)},
+    {"torch.complex128", static_cast<int64_t>(c10::kComplexDouble)},
+    {"torch.float8_e4m3fn", static_cast<int64_t>(c10::kFloat8_e4m3fn)},
+    {"torch.float8_e5m2", static_cast<int64_t>(c10::kFloat8_e5m2)},
+};
+const Named kLayouts[] = {{"torch.strided", static_cast<int64_t>(c10::kStrided)}};
+const Named kFormats[] = {
+    {"torch.contiguous_format", static_cast<int64_t>(c10::MemoryFormat::Contiguous)},
+    {"torch.preserve_format", static_cast<int64_t>(c10::MemoryFormat::Preserve)},
+    {"torch.channels_last", static_cast<int64_t>(c10::MemoryFormat::ChannelsLast)},
+    {"torch.channels_last_3d", static_cast<int64_t>(c10::MemoryFormat::ChannelsLast3d)},
+};
+
+template <size_t N>
+int64_t named(const Named (&table)[N], const std::string& s, const char* what, const std::string& where) {
+  for (const Named& n : table) {
+    if (s == n.name) {
+      return n.value;
+    }
+  }
+  fail(where + ": unknown " + what + " \"" + clip(s, 40) + "\"");
+}
+
+c10::ScalarType dtype(const Value& v, const std::string& where) {
+  return static_cast<c10::ScalarType>(named(kDTypes, string(v, where), "dtype", where));
+}
+
+// A dtype as the signature and weight records write it ("float32").
+c10::ScalarType short_dtype(const Value& v, const std::string& where) {
+  return static_cast<c10::ScalarType>(
+      named(kDTypes, "torch." + string(v, where), "dtype", where));
+}
+
+c10::Device device(const std::string& s, const std::string& where) {
+  if (s.size() > 40) {
+    fail(where + ": malformed device");
+  }
+  try {
+    return c10::Device(s);
+  } catch (const std::exception&) {
+    fail(where + ": \"" + clip(s, 40) + "\" is not a device");
+  }
+}
+
+// A tagged value {"tag": payload}: its tag, or "" for a plain JSON value.
+std::string tag_of(const Value& v) {
+  return v.is_object() && v.o.size() == 1 ? v.o[0].first : std::string();
+}
+
+bool is_sequence(const Value& v) {
+  std::string t = tag_of(v);
+  return (t == "list" || t == "tuple") && v.o[0].second.is_array();
+}
+
+bool contains_ref(const Value& v, int depth = 0) {
+  if (depth > 64 || !v.is_object()) {
+    return depth > 64;
+  }
+  for (const auto& [k, x] : v.o) {
+    if (k == "ref") {
+      return true;
+    }
+    if (x.is_array()) {
+      for (const Value& y : x.a) {
+        if (contains_ref(y, depth + 1)) {
+          return true;
+        }
+      }
+    } else if (contains_ref(x, depth + 1)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The number a JSON value encodes (an int or float, or {"float": "inf"/"-inf"/"nan"}).
+std::optional<double> as_float(const Value& v) {
+  if (v.is_int()) {
+    return static_cast<double>(v.i);
+  }
+  if (v.type == Value::FLOAT) {
+    return v.d;
+  }
+  if (tag_of(v) == "float" && v.o[0].second.is_string()) {
+    const std::string& s = v.o[0].second.s;
+    if (s == "inf") {
+      return std::numeric_limits<double>::infinity();
+    }
+    if (s == "-inf") {
+      return -std::numeric_limits<double>::infinity();
+    }
+    if (s == "nan") {
+      return std::numeric_limits<double>::quiet_NaN();
+    }
+  }
+  return std::nullopt;
+}
+
+// A constant argument converted to the schema type `type`, as torch.ops would convert its
+// Python value.
+IValue constant(const Value& v, const c10::TypePtr& type, int64_t n, const std::string& where) {
+  using K = c10::TypeKind;
+  if (v.is_null()) {
+    if (type->kind() == K::OptionalType || type->kind() == K::NoneType) {
+      return IValue();
+    }
+    fail(where + ": None for a " + type->str());
+  }
+  const c10::TypePtr t = without_optional(type);
+  const std::string tag = tag_of(v);
+  switch (t->kind()) {
+    case K::IntType:
+    case K::SymIntType:
+      if (v.is_int()) {
+        return IValue(v.i);
+      }
+      if (v.type == Value::BOOL) {
+        return IValue(static_cast<int64_t>(v.b));
+      }
+      break;
+    case K::FloatType:
+    case K::SymFloatType:
+      if (auto f = as_float(v)) {
+        return IValue(*f);
+      }
+      break;
+    case K::BoolType:
+    case K::SymBoolType:
+      if (v.type == Value::BOOL) {
+        return IValue(v.b);
+      }
+      break;
+    case K::NumberType:
+      if (v.is_int()) {
+        return IValue(v.i);
+      }
+      if (v.type == Value::BOOL) {
+        return IValue(v.b);
+      }
+      if (auto f = as_float(v)) {
+        return IValue(*f);
+      }
+      break;
+    case K::StringType:
+      if (v.is_string()) {
+        return IValue(v.s);
+      }
+      break;
+    case K::ScalarTypeType:
+      if (tag == "dtype") {
+        return IValue(static_cast<int64_t>(dtype(v.o[0].second, where)));
+      }
+      break;
+    case K::LayoutType:
+      if (tag == "layout") {
+        return IValue(named(kLayouts, string(v.o[0].second, where), "layout", where));
+      }
+      break;
+    case K::MemoryFormatType:
+      if (tag == "memory_format") {
+        return IValue(named(kFormats, string(v.o[0].second, where), "memory format", where));
+      }
+      break;
+    case K::TensorType:
+      // torch.ops passes a Python number for a Tensor argument as a wrapped-number tensor
+      // (aten::add.Tensor(x, 1.0)), which type promotion treats as a scalar.
+      if (v.is_int() || v.type == Value::BOOL || as_float(v).has_value()) {
+        c10::Scalar s = v.is_int()           ? c10::Scalar(v.i)
+            : v.type == Value::BOOL ? c10::Scalar(v.b)
+                                    : c10::Scalar(*as_float(v));
+        at::Tensor t = c10::scalar_to_tensor(s);
+        t.unsafeGetTensorImpl()->set_wrapped_number(true);
+        return IValue(std::move(t));
+      }
+      break;
+    case K::DeviceObjType:
+      if (tag == "device") {
+        return IValue(device(string(v.o[0].second, where), where));
+      }
+      break;
+    case K::ListType: {
+      const c10::TypePtr elem = t->castRaw<c10::ListType>()->getElementType();
+      std::vector<const Value*> items;
+      if (is_sequence(v)) {
+        for (const Value& x : v.o[0].second.a) {
+          items.push_back(&x);
+        }
+      } else if (v.is_int() && n > 0 && (elem->kind() == K::IntType || elem->kind() == K::SymIntType)) {
+        return IValue(std::vector<int64_t>(static_cast<size_t>(n), v.i));  // int[2] given an int
+      } else {
+        break;
+      }
+      switch (elem->kind()) {
+        case K::IntType:
+        case K::SymIntType: {
+          std::vector<int64_t> out;
+          for (const Value* x : items) {
+            out.push_back(constant(*x, elem, 0, where).toInt());
+          }
+          return IValue(out);
+        }
+        case K::FloatType: {
+          std::vector<double> out;
+          for (const Value* x : items) {
+            out.push_back(constant(*x, elem, 0, where).toDouble());
+          }
+          return IValue(out);
+        }
+        case K::BoolType: {
+          c10::List<bool> out;
+          for (const Value* x : items) {
+            out.push_back(constant(*x, elem, 0, where).toBool());
+          }
+          return IValue(out);
+        }
+        case K::TensorType:
+          if (items.empty()) {
+            return IValue(c10::List<at::Tensor>());
+          }
+          break;
+        case K::OptionalType:
+          if (without_optional(elem)->kind() == K::TensorType) {
+            c10::List<std::optional<at::Tensor>> out;
+            for (const Value* x : items) {
+              if (!x->is_null()) {
+                fail(where + ": a constant tensor in a list (tensors are registers)");
+              }
+              out.push_back(std::nullopt);
+            }
+            return IValue(out);
+          }
+          break;
+        default:
+          break;
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  fail(where + ": a constant the C++ runtime cannot convert to " + type->str());
+}
+
+// A graph constant (no schema to convert against): scalars, dtypes, devices, int lists.
+IValue plain_constant(const Value& v, const std::string& where) {
+  switch (v.type) {
+    case Value::NUL:
+      return IValue();
+    case Value::BOOL:
+      return IValue(v.b);
+    case Value::INT:
+      return IValue(v.i);
+    case Value::FLOAT:
+      return IValue(v.d);
+    case Value::STRING:
+      return IValue(v.s);
+    default:
+      break;
+  }
+  std::string tag = tag_of(v);
+  if (tag == "float") {
+    return IValue(*as_float(v));
+  }
+  if (tag == "dtype") {
+    return IValue(static_cast<int64_t>(dtype(v.o[0].second, where)));
+  }
+  if (tag == "device") {
+    return IValue(device(string(v.o[0].second, where), where));
+  }
+  if (is_sequence(v)) {
+    std::vector<int64_t> out;
+    for (const Value& x : v.o[0].second.a) {
+      out.push_back(integer(x, where, INT64_MIN, INT64_MAX));
+    }
+    return IValue(out);
+  }
+  fail(where + ": a constant the C++ runtime cannot hold");
+}
+
+// ---- registers: the validator's view of the register file
+
+class RegisterCheck {
+ public:
+  explicit RegisterCheck(int64_t n) : defined_(static_cast<size_t>(n), false) {}
+
+  int64_t reg(const Value& v, const std::string& where) const {
+    return integer(v, where + ": register", 0, static_cast<int64_t>(defined_.size()) - 1);
+  }
+  // A register the instruction reads: in range and holding a value by then.
+  int64_t use(const Value& v, const std::string& where) const {
+    int64_t r = reg(v, where);
+    if (!defined_[static_cast<size_t>(r)]) {
+      fail(where + ": reads register " + std::to_string(r) + " before it is written");
+    }
+    return r;
+  }
+  void define(int64_t r) { defined_.at(static_cast<size_t>(r)) = true; }
+  void undefine(int64_t r) { defined_.at(static_cast<size_t>(r)) = false; }
+  void allow(int64_t r) { allowed_ = r; }  // an OUT's out= form reads its own result
+  bool defined(int64_t r) const { return defined_[static_cast<size_t>(r)] || r == allowed_; }
+  int64_t use_ref(const Value& ref, const std::string& where) const {
+    int64_t r = reg(ref, where);
+    if (!defined(r)) {
+      fail(where + ": reads register " + std::to_string(r) + " before it is written");
+    }
+    return r;
+  }
+
+ private:
+  std::vector<bool> defined_;
+  int64_t allowed_ = -1;
+};
+
+// ---- binding a stored call to its op's schema (what bind_python.h does from Python objects)
+
+BoundArg bind_arg(
+    const c10::FunctionSchema& schema,
+    size_t i,
+    const Value& v,
+    const RegisterCheck& regs,
+    const std::string& where) {
+  const c10::Argument& param = schema.arguments()[i];
+  const std::string at = where + ": argument " + param.name();
+  const c10::TypePtr& type = param.real_type();
+  BoundArg arg;
+  arg.position = i;
+  if (!contains_ref(v)) {
+    arg.value = constant(v, type, param.N().value_or(0), at);
+    return arg;
+  }
+  arg.optional = type->kind() == c10::TypeKind::OptionalType;
+  arg.accept = accept_for(without_optional(type));
+  if (tag_of(v) == "ref") {
+    arg.kind = BoundArg::REG;
+    arg.reg = regs.use_ref(v.o[0].second, at);
+    return arg;
+  }
+  auto list_type = without_optional(type)->cast<c10::ListType>();
+  BoundArg::Kind kind = list_type ? list_kind(list_type->getElementType()) : BoundArg::TREE;
+  if (kind == BoundArg::TREE || !is_sequence(v)) {
+    fail(at + ": registers inside a " + type->str() + " the C++ runtime does not bind");
+  }
+  const c10::TypePtr& elem = list_type->getElementType();
+  for (const Value& x : v.o[0].second.a) {
+    ListItem item;
+    if (tag_of(x) == "ref") {
+      item.reg = regs.use_ref(x.o[0].second, at);
+    } else if (contains_ref(x)) {
+      fail(at + ": a nested list of registers");
+    } else if (kind == BoundArg::INT_LIST) {
+      item.value = constant(x, elem, 0, at);
+    } else if (x.is_null() && kind == BoundArg::OPT_TENSOR_LIST) {
+      item.value = IValue();
+    } else {
+      fail(at + ": a constant tensor in a list (tensors are registers)");
+    }
+    arg.items.push_back(std::move(item));
+  }
+  arg.kind = kind;
+  return arg;
+}
+
+const std::vector<Value>& tuple_items(const Value& v, const std::string& where) {
+  if (!is_sequence(v)) {
+    fail(where + ": arguments must be a tuple");
+  }
+  return v.o[0].second.a;
+}
+
+CallOp bind_call(
+    const c10::OperatorHandle& handle,
+    const Value& args_v,
+    const Value& kwargs_v,
+    std::vector<int64_t> outputs,
+    bool multi,
+    const RegisterCheck& regs,
+    const std::string& where) {
+  const c10::FunctionSchema& schema = handle.schema();
+  const auto& params = schema.arguments();
+  const std::vector<Value>& args = tuple_items(args_v, where);
+  if (tag_of(kwargs_v) != "dict" || !kwargs_v.o[0].second.is_object()) {
+    fail(where + ": keyword arguments must be a dict");
+  }
+  const Value& kwargs = kwargs_v.o[0].second;
+  if (schema.is_vararg() || args.size() > params.size()) {
+    fail(where + ": more arguments than the schema of " + schema.name() + " takes");
+  }
+  CallOp call{handle, {}, std::move(outputs), schema.returns().size(), multi};
+  size_t kwargs_used = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const c10::Argument& param = params[i];
+    const Value* v = nullptr;
+    if (i < args.size()) {
+      if (param.kwarg_only()) {
+        fail(where + ": positional value for keyword-only argument " + param.name());
+      }
+      v = &args[i];
+    } else {
+      v = kwargs.find(param.name());
+      kwargs_used += v != nullptr;
+    }
+    if (v != nullptr) {
+      call.args.push_back(bind_arg(schema, i, *v, regs, where));
+    } else if (param.default_value().has_value()) {
+      BoundArg arg;
+      arg.position = i;
+      arg.value = *param.default_value();
+      call.args.push_back(std::move(arg));
+    } else {
+      fail(where + ": no value for argument " + param.name() + " of " + schema.name());
+    }
+  }
+  if (kwargs_used != kwargs.o.size()) {
+    fail(where + ": a keyword argument the schema of " + schema.name() + " does not have");
+  }
+  if (call.outputs.empty() || (!multi && call.outputs.size() != 1)) {
+    fail(where + ": malformed outputs");
+  }
+  return call;
+}
+
+std::string schema_text(const c10::FunctionSchema& schema) {
+  std::ostringstream s;
+  s << schema;
+  return s.str();
+}
+
+// "aten::add.Tensor" -> ("aten::add", "Tensor"); "aten::relu" -> ("aten::relu", "").
+c10::OperatorName op_name(const std::string& name) {
+  size_t ns = name.find("::");
+  size_t dot = ns == std::string::npos ? std::string::npos : name.find('.', ns + 2);
+  if (dot == std::string::npos) {
+    return {name, ""};
+  }
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+const Named kSymOps[] = {
+    {"add", 0}, {"sub", 1}, {"mul", 2},  {"floordiv", 3}, {"mod", 4}, {"neg", 5},  {"eq", 6},
+    {"ne", 7},  {"lt", 8},  {"le", 9},   {"gt", 10},       {"ge", 11}, {"max", 12}, {"min", 13},
+};
+const Named kViews[] = {
+    {"view", 0}, {"t", 1}, {"transpose", 2}, {"permute", 3}, {"reinterpret", 4},
+};
+
+bool dense(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride) {
+  std::vector<size_t> order(shape.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return stride[a] < stride[b];
+  });
+  int64_t expected = 1;
+  for (size_t d : order) {
+    if (shape[d] != 1 && stride[d] != expected) {
+      return false;
+    }
+    expected *= shape[d];
+  }
+  return true;
+}
+
+// Highest element index + 1 a geometry reads (0 for no elements); -1 on overflow.
+int64_t extent(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride, int64_t offset) {
+  int64_t last = offset;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) {
+      return 0;
+    }
+    int64_t span = 0;
+    if (__builtin_mul_overflow(shape[i] - 1, stride[i], &span) ||
+        __builtin_add_overflow(last, span, &last)) {
+      return -1;
+    }
+  }
+  return last + 1;
+}
+
+struct Symbol {
+  std::string name;  // as messages say it: "batch (s0)"
+  int64_t lo = 0, hi = -1;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+struct Model::Impl {
+  std::shared_ptr<MappedFile> file;
+  std::string module;
+  std::unique_ptr<Executor> exec;
+  std::vector<int64_t> input_regs;
+
+  struct Source {
+    int kind = 0;  // 0 weight/constant (value), 1 the index-th user tensor
+    size_t index = 0;
+    IValue value;
+  };
+  std::vector<Source> sources;  // per graph input
+
+  struct UserInput {
+    InputInfo info;
+    std::string label;  // "input 'x' (args[0])"
+    c10::Device device{c10::kCPU};
+    std::vector<int> symbol;  // per dim: index into symbols, or -1 (static or derived)
+    std::vector<bool> fixed;  // per dim: a static size
+  };
+  std::vector<UserInput> users;
+  std::vector<Symbol> symbols;
+
+  struct Out {
+    int kind = 0;  // 0 user, 1 weight mutation, 2 input mutation
+    int64_t reg = -1;
+    IValue value;  // when reg < 0
+    at::Tensor target;  // weight mutation
+    size_t user = 0;  // input mutation
+  };
+  std::vector<Out> outs;
+  size_t n_user_outputs = 0;
+  std::vector<std::string> where;  // per pc: "node <name> (<op>)"
+  std::vector<InputInfo> infos;
+
+  std::unordered_map<std::string, c10::OperatorHandle> ops;
+  std::map<std::string, at::Tensor> weights;
+
+  void check_ops(const Value& table, const Value& producer);
+  void load_weights(const RawPackage& raw, const Value& records, const c10::Device& device);
+  std::vector<IValue> graph_constants(const RawPackage& raw, const Value& graph, int64_t n_regs,
+                                      std::vector<int64_t>& regs_out);
+  void load_program(const RawPackage& raw, const Value& manifest, const Value& program,
+                    const c10::Device& device);
+  void load_signature(const Value& sig);
+  const c10::OperatorHandle& op(const Value& name, const std::string& where) const;
+  void check_user_inputs(const std::vector<at::Tensor>& inputs) const;
+};
+
+const c10::OperatorHandle& Model::Impl::op(const Value& name, const std::string& where) const {
+  const std::string& s = string(name, where + ": op");
+  auto it = ops.find(s);
+  if (it == ops.end()) {
+    fail(where + ": op " + clip(s) + " is not in the package's op table");
+  }
+  return it->second;
+}
+
+void Model::Impl::check_ops(const Value& table, const Value& producer) {
+  const Value* torch = producer.find("torch");
+  std::string made_by = torch != nullptr && torch->is_string() ? clip(torch->s, 40) : "?";
+  for (const auto& [name, schema] : table.o) {
+    if (!schema.is_string() || name.size() > 200) {
+      fail("ops: malformed entry " + clip(name));
+    }
+    auto handle = c10::Dispatcher::singleton().findSchema(op_name(name));
+    if (!handle.has_value()) {
+      throw PackageError(
+          "fxrt package: op " + clip(name, 200) + " is not registered in this process (made by "
+          "torch " + made_by + ")");
+    }
+    std::string now = schema_text(handle->schema());
+    if (now != schema.s) {
+      throw PackageError(
+          "fxrt package: op " + name + " changed its schema since the package was made (torch " +
+          made_by + ": `" + clip(schema.s, 300) + "`; this libtorch: `" + now +
+          "`); export the model again");
+    }
+    ops.emplace(name, *handle);
+  }
+}
+
+void Model::Impl::load_weights(
+    const RawPackage& raw,
+    const Value& records,
+    const c10::Device& dev) {
+  std::map<std::string, at::Tensor> bases;
+  for (const auto& [name, r] : records.o) {
+    std::string where = "weight \"" + clip(name) + "\"";
+    if (name.size() > 4096 || !r.is_object() || r.o.size() != 6) {
+      fail(where + ": malformed");
+    }
+    const std::string& entry = string(member(r, "entry", where), where);
+    auto e = raw.entries.find(entry);
+    if (e == raw.entries.end()) {
+      fail(where + ": no weights entry \"" + clip(entry) + "\"");
+    }
+    const std::string& kind = string(member(r, "kind", where), where);
+    if (kind != "parameter" && kind != "buffer" && kind != "nonpersistent_buffer" &&
+        kind != "constant") {
+      fail(where + ": unknown kind");
+    }
+    int st = 0;
+    int64_t itemsize = 0;
+    safetensors_dtype(e->second.dtype, st, itemsize);
+    auto type = static_cast<c10::ScalarType>(st);
+    if (short_dtype(member(r, "dtype", where), where) != type) {
+      fail(where + ": dtype does not match its entry's");
+    }
+    std::vector<int64_t> shape = ints(member(r, "shape", where), where, 0, int64_t{1} << 62);
+    std::vector<int64_t> stride = ints(member(r, "stride", where), where, 0, int64_t{1} << 62);
+    int64_t offset = integer(member(r, "offset", where), where, 0, int64_t{1} << 62);
+    if (shape.size() != stride.size() || shape.size() > kMaxDims) {
+      fail(where + ": malformed geometry");
+    }
+    int64_t end = extent(shape, stride, offset);
+    if (end < 0 || end > e->second.numel) {
+      fail(where + ": view reaches past its entry");
+    }
+    at::Tensor& base = bases[entry];
+    if (!base.defined()) {
+      auto options = at::TensorOptions().dtype(type);
+      if (e->second.numel > 0) {
+        std::shared_ptr<MappedFile> keep = raw.file;
+        base = at::from_blob(
+            raw.file->data() + raw.data_start + e->second.begin, {e->second.numel},
+            [keep](void*) mutable { keep.reset(); }, options);
+      } else {
+        base = at::empty({0}, options);
+      }
+      if (dev != base.device()) {
+        base = base.to(dev);
+      }
+    }
+    weights[name] = base.as_strided(shape, stride, offset);
+  }
+}
+
+std::vector<IValue> Model::Impl::graph_constants(
+    const RawPackage& raw,
+    const Value& graph,
+    int64_t n_regs,
+    std::vector<int64_t>& regs_out) {
+  const Value& records = object(graph, "tensors", "graph");
+  std::vector<IValue> out;
+  for (const Value& item : array(graph, "constants", "graph").a) {
+    if (!item.is_array() || item.a.size() != 2) {
+      fail("graph constants: malformed");
+    }
+    std::string where = "graph constant " + (item.a[0].is_int() ? std::to_string(item.a[0].i) : "?");
+    regs_out.push_back(integer(item.a[0], where, 0, n_regs - 1));
+    const Value& v = item.a[1];
+    if (tag_of(v) != "tensor") {
+      out.push_back(plain_constant(v, where));
+      continue;
+    }
+    const std::string& name = string(v.o[0].second, where);
+    const Value* rec = records.find(name);
+    auto e = raw.entries.find("graph/" + name);
+    if (rec == nullptr || !rec->is_object() || e == raw.entries.end() || e->second.dtype != "U8") {
+      fail(where + ": no graph tensor \"" + clip(name) + "\"");
+    }
+    auto type = dtype(member(*rec, "dtype", where), where);
+    std::vector<int64_t> shape = ints(member(*rec, "shape", where), where, 0, int64_t{1} << 62);
+    std::vector<int64_t> stride = ints(member(*rec, "stride", where), where, 0, int64_t{1} << 62);
+    int64_t nbytes = integer(member(*rec, "nbytes", where), where, 0, int64_t{1} << 62);
+    bool requires_grad = boolean(member(*rec, "requires_grad", where), where);
+    c10::Device dev = device(string(member(*rec, "device", where), where), where);
+    const std::string& digest = string(member(*rec, "sha256", where), where);
+    int64_t numel = 1;
+    for (int64_t s : shape) {
+      if (__builtin_mul_overflow(numel, s, &numel)) {
+        fail(where + ": too many elements");
+      }
+    }
+    int64_t want = 0;
+    if (shape.size() != stride.size() || shape.size() > kMaxDims ||
+        __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(type)), &want) ||
+        want != nbytes || static_cast<uint64_t>(nbytes) != e->second.end - e->second.begin ||
+        (numel > 0 && !dense(shape, stride))) {
+      fail(where + ": its record does not match its bytes");
+    }
+    uint8_t* bytes = raw.file->data() + raw.data_start + e->second.begin;
+    Sha256 h;
+    h.update(bytes, static_cast<size_t>(nbytes));
+    if (Sha256::hex(h.digest()) != digest) {
+      fail(where + ": tensor bytes do not match their hash");
+    }
+    at::Tensor t = at::empty_strided(shape, stride, at::TensorOptions().dtype(type));
+    if (numel > 0) {
+      // The bytes are in the order of the strides (largest first), as fxrt.artifact writes them.
+      std::vector<int64_t> order(shape.size());
+      for (size_t d = 0; d < order.size(); ++d) {
+        order[d] = static_cast<int64_t>(d);
+      }
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return stride[static_cast<size_t>(a)] > stride[static_cast<size_t>(b)];
+      });
+      std::vector<int64_t> permuted;
+      for (int64_t d : order) {
+        permuted.push_back(shape[static_cast<size_t>(d)]);
+      }
+      at::Tensor src = at::from_blob(bytes, permuted, at::TensorOptions().dtype(type));
+      t.permute(order).copy_(src);
+    }
+    if (dev != t.device()) {
+      t = t.to(dev);
+    }
+    if (requires_grad && c10::isFloatingType(type)) {
+      t.set_requires_grad(true);
+    }
+    out.emplace_back(std::move(t));
+  }
+  return out;
+}
+
+void Model::Impl::load_program(
+    const RawPackage& raw,
+    const Value& m,
+    const Value& p,
+    const c10::Device& dev) {
+  const std::string fmt = "program";
+  if (string(member(p, "format", fmt), fmt) != "fxrt-program/1") {
+    fail("program: unknown format");
+  }
+  int64_t n_regs = integer(member(p, "n_regs", fmt), "program: n_regs", 0, kMaxRegs);
+  input_regs = ints(array(p, "inputs", fmt), "program: inputs", 0, n_regs - 1);
+  const Value& nodes = array(p, "nodes", fmt);
+  for (const Value& n : nodes.a) {
+    string(n, "program: node name");
+  }
+  RegisterCheck regs(n_regs);
+  exec = std::make_unique<Executor>(n_regs);
+  exec->set_inputs(input_regs);
+  for (int64_t r : input_regs) {
+    regs.define(r);
+  }
+  std::vector<int64_t> const_regs;
+  std::vector<IValue> consts = graph_constants(raw, object(m, "graph", "manifest"), n_regs, const_regs);
+  for (size_t i = 0; i < consts.size(); ++i) {
+    exec->set_constant_value(const_regs[i], consts[i]);
+    regs.define(const_regs[i]);
+  }
+
+  // The arena plan: slots are views of one buffer and must lie inside it.
+  struct SlotPlan {
+    int64_t offset, nbytes;
+    std::vector<int64_t> shape, stride;
+    c10::ScalarType dtype;
+  };
+  std::vector<SlotPlan> slots;
+  int64_t arena_bytes = 0;
+  c10::Device arena_device = dev;
+  const Value& arena = member(p, "arena", fmt);
+  if (!arena.is_null()) {
+    const std::string where = "program: arena";
+    if (!arena.is_object()) {
+      fail(where + ": malformed");
+    }
+    arena_bytes = integer(member(arena, "nbytes", where), where, 0, int64_t{1} << 50);
+    arena_device = device(string(member(arena, "device", where), where), where);
+    for (const Value& s : array(arena, "slots", where).a) {
+      if (!s.is_array() || s.a.size() != 5) {
+        fail(where + ": malformed slot");
+      }
+      SlotPlan slot{
+          integer(s.a[0], where, 0, arena_bytes), integer(s.a[1], where, 0, arena_bytes),
+          ints(s.a[2], where, 0, int64_t{1} << 50), ints(s.a[3], where, 0, int64_t{1} << 50),
+          dtype(s.a[4], where)};
+      int64_t end = extent(slot.shape, slot.stride, 0);
+      int64_t bytes = 0;
+      if (slot.shape.size() != slot.stride.size() || slot.shape.size() > kMaxDims || end < 0 ||
+          __builtin_mul_overflow(end, static_cast<int64_t>(c10::elementSize(slot.dtype)), &bytes) ||
+          bytes > slot.nbytes || slot.offset + slot.nbytes > arena_bytes) {
+        fail(where + ": slot " + std::to_string(slots.size()) + " lies outside the arena");
+      }
+      slots.push_back(std::move(slot));
+    }
+  }
+
+  const std::vector<Value>& code = array(p, "code", fmt).a;
+  where.reserve(code.size());
+  for (size_t pc = 0; pc < code.size(); ++pc) {
+    const Value& ins = code[pc];
+    std::string at = "program: instruction " + std::to_string(pc);
+    if (!ins.is_object()) {
+      fail(at + ": malformed");
+    }
+    const std::string& kind = string(member(ins, "kind", at), at + ": kind");
+    if (kind == "FREE") {
+      std::vector<int64_t> freed = ints(array(ins, "regs", at), at, 0, n_regs - 1);
+      for (int64_t r : freed) {
+        regs.undefine(r);
+      }
+      exec->add_free(freed);
+      where.emplace_back("FREE");
+      continue;
+    }
+    int64_t node = integer(member(ins, "node", at), at + ": node", 0,
+                           static_cast<int64_t>(nodes.a.size()) - 1);
+    const std::string& node_name = nodes.a[static_cast<size_t>(node)].s;
+    at += " (node " + clip(node_name) + ")";
+    std::vector<int64_t> outputs = ints(array(ins, "outputs", at), at + ": outputs", 0, n_regs - 1);
+    if (outputs.empty()) {
+      fail(at + ": no outputs");
+    }
+    const std::string& opname = string(member(ins, "op", at), at + ": op");
+    if (kind == "PYCALL") {
+      throw PackageError(
+          "fxrt package: node " + clip(node_name) + " runs Python (" + clip(opname, 80) +
+          "); the C++ runtime cannot run this package (python -m fxrt inspect lists such nodes)");
+    }
+    if (kind == "SYM") {
+      SymOp sym;
+      sym.kind = static_cast<SymOp::Kind>(named(kSymOps, opname, "arithmetic step", at));
+      for (const Value& a : tuple_items(member(ins, "args", at), at)) {
+        ListItem item;
+        if (tag_of(a) == "ref") {
+          item.reg = regs.use_ref(a.o[0].second, at);
+        } else {
+          item.value = IValue(integer(a, at + ": operand", INT64_MIN, INT64_MAX));
+        }
+        sym.args.push_back(std::move(item));
+      }
+      if (sym.args.size() != (sym.kind == SymOp::Kind::NEG ? 1u : 2u) || outputs.size() != 1) {
+        fail(at + ": wrong number of operands");
+      }
+      sym.output = outputs[0];
+      exec->add_sym_op(std::move(sym));
+      regs.define(outputs[0]);
+      where.push_back("node " + node_name + " (" + opname + ")");
+      continue;
+    }
+    bool multi = boolean(member(ins, "multi", at), at + ": multi");
+    CallOp call = bind_call(
+        op(member(ins, "op", at), at), member(ins, "args", at), member(ins, "kwargs", at), outputs,
+        multi, regs, at);
+    if (kind == "CALL") {
+      exec->add_call_op(std::move(call));
+    } else if (kind == "OUT") {
+      if (multi) {
+        fail(at + ": an OUT has one output");
+      }
+      int64_t slot = integer(member(ins, "slot", at), at + ": slot", 0,
+                             static_cast<int64_t>(slots.size()) - 1);
+      regs.allow(outputs[0]);
+      CallOp out = bind_call(
+          op(member(ins, "out_op", at), at), member(ins, "out_args", at),
+          member(ins, "out_kwargs", at), outputs, false, regs, at + ": out= form");
+      regs.allow(-1);
+      exec->add_out_op({std::move(call), std::move(out), slot});
+    } else if (kind == "ALLOC") {
+      int64_t slot = integer(member(ins, "slot", at), at + ": slot", -1,
+                             static_cast<int64_t>(slots.size()) - 1);
+      AllocOp alloc{std::move(call), slot, std::nullopt};
+      if (boolean(member(ins, "cpu", at), at + ": cpu")) {
+        const auto& a = alloc.call.args;
+        if (opname != "aten::empty_strided" || !bind_cpu_empty(alloc) ||
+            !(a[3].value.isNone() || (a[3].value.isDevice() && a[3].value.toDevice().is_cpu())) ||
+            !(a[4].value.isNone() || !a[4].value.toBool())) {
+          fail(at + ": a cpu ALLOC that is not a constant CPU empty_strided");
+        }
+      }
+      exec->add_alloc_op(std::move(alloc));
+    } else if (kind == "VIEW") {
+      if (multi || call.args.empty() || call.args[0].kind != BoundArg::REG) {
+        fail(at + ": the view's input is not a register");
+      }
+      ViewOp view{std::move(call)};
+      view.kind = static_cast<ViewOp::Kind>(
+          named(kViews, string(member(ins, "view", at), at), "view kind", at));
+      view.always = boolean(member(ins, "always", at), at + ": always");
+      view.self = view.call.args[0].reg;
+      view.ints = ints(member(ins, "ints", at), at + ": ints", INT64_MIN / 4, INT64_MAX / 4);
+      view.strides = ints(member(ins, "strides", at), at + ": strides", INT64_MIN / 4, INT64_MAX / 4);
+      view.offset = integer(member(ins, "offset", at), at + ": offset", INT64_MIN / 4, INT64_MAX / 4);
+      exec->add_view_op(std::move(view));
+    } else {
+      fail(at + ": unknown instruction kind \"" + clip(kind, 20) + "\"");
+    }
+    for (int64_t r : outputs) {
+      regs.define(r);
+    }
+    where.push_back("node " + node_name + " (" + opname + ")");
+  }
+
+  // Guards: the input specs and what the arena needs.
+  const Value& guards = object(p, "guards", fmt);
+  std::vector<InputSpec> specs;
+  for (const Value& s : array(guards, "inputs", "program: guards").a) {
+    const std::string at = "program: input spec";
+    if (!s.is_array() || s.a.size() != 5) {
+      fail(at + ": malformed");
+    }
+    int64_t pos = integer(s.a[0], at, 0, static_cast<int64_t>(input_regs.size()) - 1);
+    InputSpec spec{
+        static_cast<size_t>(input_regs[static_cast<size_t>(pos)]), dtype(s.a[1], at),
+        device(string(s.a[2], at), at), ints(s.a[3], at, -2 - kMaxDims, int64_t{1} << 62),
+        ints(s.a[4], at, -1, int64_t{1} << 62)};
+    if (spec.sizes.size() != spec.strides.size() || spec.sizes.size() > kMaxDims) {
+      fail(at + ": malformed");
+    }
+    specs.push_back(std::move(spec));
+  }
+  std::vector<ArenaInput> arena_inputs;
+  for (const Value& s : array(guards, "arena_inputs", "program: guards").a) {
+    const std::string at = "program: arena input";
+    if (!s.is_array() || s.a.size() != 3) {
+      fail(at + ": malformed");
+    }
+    int64_t pos = integer(s.a[0], at, 0, static_cast<int64_t>(input_regs.size()) - 1);
+    arena_inputs.push_back({static_cast<size_t>(input_regs[static_cast<size_t>(pos)]),
+                            ints(s.a[1], at, 0, int64_t{1} << 62), dtype(s.a[2], at)});
+  }
+  exec->set_guards(
+      std::move(specs), std::move(arena_inputs),
+      boolean(member(guards, "constants_need_grad", "program: guards"), "constants_need_grad"));
+  if (!arena.is_null()) {
+    exec->set_arena_factory(
+        [slots, arena_bytes, arena_device]() {
+          c10::Storage buffer =
+              at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).device(arena_device))
+                  .storage();
+          auto made = std::make_unique<Arena>();
+          for (const SlotPlan& s : slots) {
+            // A storage of its own over the slot's bytes, not resizable (as ArenaPlan.allocate).
+            auto* keep = new c10::Storage(buffer);
+            c10::DataPtr ptr(
+                static_cast<uint8_t*>(buffer.mutable_data()) + s.offset, keep,
+                [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, arena_device);
+            c10::Storage storage(
+                c10::Storage::use_byte_size_t(), s.nbytes, std::move(ptr), nullptr, false);
+            at::Tensor t = at::empty({0}, at::TensorOptions().dtype(s.dtype).device(arena_device));
+            t.set_(storage, 0, s.shape, s.stride);
+            made->push_back(std::move(t));
+          }
+          return made;
+        },
+        2);
+  }
+
+  // The output: a tuple of registers (and constants), one per signature output.
+  const Value& output = member(p, "output", fmt);
+  std::vector<const Value*> leaves;
+  if (is_sequence(output)) {
+    for (const Value& x : output.o[0].second.a) {
+      leaves.push_back(&x);
+    }
+  } else {
+    leaves.push_back(&output);
+  }
+  for (const Value* leaf : leaves) {
+    Out o;
+    if (tag_of(*leaf) == "ref") {
+      o.reg = regs.use_ref(leaf->o[0].second, "program: output");
+    } else {
+      o.value = plain_constant(*leaf, "program: output");
+    }
+    outs.push_back(std::move(o));
+  }
+}
+
+void Model::Impl::load_signature(const Value& sig) {
+  const std::string at = "signature";
+  const Value& ranges = object(sig, "ranges", at);
+  const Value& dims = object(sig, "dims", at);
+  std::map<std::string, int> symbol_of;
+  for (const auto& [name, r] : ranges.o) {
+    if (!r.is_array() || r.a.size() != 2 || name.size() > 40) {
+      fail("signature: malformed range");
+    }
+    Symbol s;
+    const Value* dim = dims.find(name);
+    s.name = dim != nullptr && dim->is_string() ? clip(dim->s, 80) + " (" + name + ")" : name;
+    s.lo = integer(r.a[0], at, 0, INT64_MAX);
+    s.hi = r.a[1].is_null() ? -1 : integer(r.a[1], at, 0, INT64_MAX);
+    symbol_of[name] = static_cast<int>(symbols.size());
+    symbols.push_back(std::move(s));
+  }
+  const std::vector<Value>& inputs = array(sig, "inputs", at).a;
+  if (inputs.size() != input_regs.size()) {
+    fail("signature: " + std::to_string(inputs.size()) + " inputs for " +
+         std::to_string(input_regs.size()) + " graph inputs");
+  }
+  std::map<std::string, size_t> user_of;  // user input name -> index in users
+  for (const Value& s : inputs) {
+    const std::string& name = string(member(s, "name", at), at + ": input name");
+    const std::string& kind = string(member(s, "kind", at), at + ": input kind");
+    std::string where = "input '" + clip(name) + "'";
+    Source src;
+    if (kind == "weight") {
+      const std::string& w = string(member(s, "weight", where), where);
+      auto it = weights.find(w);
+      if (it == weights.end()) {
+        fail(where + " names an unknown weight \"" + clip(w) + "\"");
+      }
+      src.value = it->second;
+    } else if (kind == "constant") {
+      src.value = plain_constant(member(s, "value", where), where);
+    } else if (kind == "tensor") {
+      UserInput u;
+      u.info.name = name;
+      u.info.path = string(member(s, "path", where), where);
+      u.label = where + " (" + clip(u.info.path) + ")";
+      u.info.dtype = short_dtype(member(s, "dtype", where), where);
+      u.device = device(string(member(s, "device", where), where), where);
+      const Value& shape = array(s, "shape", where);
+      if (shape.a.size() > static_cast<size_t>(kMaxDims)) {
+        fail(where + ": too many dims");
+      }
+      for (const Value& d : shape.a) {
+        int sym = -1;
+        if (d.is_int()) {
+          int64_t n = integer(d, where, 0, INT64_MAX);
+          u.info.sizes.push_back(n);
+          u.info.min_sizes.push_back(n);
+          u.info.max_sizes.push_back(n);
+          u.fixed.push_back(true);
+        } else {
+          const std::string& e = string(d, where + ": size");
+          auto it = symbol_of.find(e);
+          if (it != symbol_of.end()) {
+            sym = it->second;
+          }
+          u.info.sizes.push_back(-1);
+          u.info.min_sizes.push_back(sym >= 0 ? symbols[static_cast<size_t>(sym)].lo : 0);
+          u.info.max_sizes.push_back(sym >= 0 ? symbols[static_cast<size_t>(sym)].hi : -1);
+          u.fixed.push_back(false);
+        }
+        u.symbol.push_back(sym);
+      }
+      src.kind = 1;
+      src.index = users.size();
+      user_of[name] = users.size();
+      infos.push_back(u.info);
+      users.push_back(std::move(u));
+    } else {
+      throw PackageError(
+          "fxrt package: " + where + " is a " + clip(kind, 20) +
+          "; the C++ runtime takes tensor inputs only");
+    }
+    sources.push_back(std::move(src));
+  }
+  const std::vector<Value>& outputs = array(sig, "outputs", at).a;
+  if (outputs.size() != outs.size()) {
+    fail("signature: " + std::to_string(outputs.size()) + " outputs for " +
+         std::to_string(outs.size()) + " graph outputs");
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Value& o = outputs[i];
+    std::string where = "output " + std::to_string(i);
+    const std::string& kind = string(member(o, "kind", where), where);
+    if (kind == "user") {
+      outs[i].kind = 0;
+      ++n_user_outputs;
+    } else if (kind == "buffer_mutation") {
+      const std::string& target = string(member(o, "target", where), where);
+      auto it = weights.find(target);
+      if (it == weights.end()) {
+        fail(where + " mutates an unknown buffer \"" + clip(target) + "\"");
+      }
+      outs[i].kind = 1;
+      outs[i].target = it->second;
+    } else if (kind == "input_mutation") {
+      const std::string& target = string(member(o, "target", where), where);
+      auto it = user_of.find(target);
+      if (it == user_of.end()) {
+        fail(where + " mutates an unknown input \"" + clip(target) + "\"");
+      }
+      outs[i].kind = 2;
+      outs[i].user = it->second;
+    } else {
+      fail(where + ": unknown kind");
+    }
+  }
+}
+
+void Model::Impl::check_user_inputs(const std::vector<at::Tensor>& inputs) const {
+  if (inputs.size() != users.size()) {
+    throw InputError(
+        "fxrt: the model takes " + std::to_string(users.size()) + " tensor inputs, got " +
+        std::to_string(inputs.size()));
+  }
+  std::vector<int64_t> bound(symbols.size(), -1);
+  for (size_t k = 0; k < users.size(); ++k) {
+    const UserInput& u = users[k];
+    const at::Tensor& x = inputs[k];
+    auto bad = [&](const std::string& why) {
+      std::ostringstream s;
+      s << "fxrt: " << u.label << ": " << why << "; exported for " << c10::toString(u.info.dtype)
+        << "[";
+      for (size_t d = 0; d < u.info.sizes.size(); ++d) {
+        s << (d ? ", " : "");
+        if (u.symbol[d] >= 0) {
+          const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
+          s << sym.name << " in [" << sym.lo << ", " << (sym.hi < 0 ? "inf" : std::to_string(sym.hi))
+            << "]";
+        } else if (u.fixed[d]) {
+          s << u.info.sizes[d];
+        } else {
+          s << "?";
+        }
+      }
+      s << "]";
+      throw InputError(s.str());
+    };
+    if (!x.defined()) {
+      bad("expected a tensor, got an undefined one");
+    }
+    if (x.scalar_type() != u.info.dtype) {
+      bad(std::string("dtype ") + c10::toString(x.scalar_type()));
+    }
+    if (x.device() != u.device) {
+      bad("device " + x.device().str());
+    }
+    if (x.dim() != static_cast<int64_t>(u.info.sizes.size())) {
+      bad(std::to_string(x.dim()) + " dims");
+    }
+    for (size_t d = 0; d < u.info.sizes.size(); ++d) {
+      int64_t got = x.size(static_cast<int64_t>(d));
+      if (u.fixed[d] && got != u.info.sizes[d]) {
+        bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + " (static)");
+      }
+      if (u.symbol[d] >= 0) {
+        const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
+        if (got < sym.lo || (sym.hi >= 0 && got > sym.hi)) {
+          bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + " outside " +
+              sym.name + "'s range");
+        }
+        int64_t& b = bound[static_cast<size_t>(u.symbol[d])];
+        if (b >= 0 && b != got) {
+          bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + ", but " + sym.name +
+              " is " + std::to_string(b) + " in an earlier input");
+        }
+        b = got;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Model::Model(const std::string& path, LoadOptions options) : impl_(std::make_unique<Impl>()) {
+  RawPackage raw = read_package(path, options.verify_weights);
+  Impl& m = *impl_;
+  m.file = raw.file;
+  const Value& manifest = raw.manifest;
+  if (!manifest.is_object()) {
+    fail("the manifest is not an object");
+  }
+  const Value* module = manifest.find("module");
+  m.module = module != nullptr && module->is_string() ? clip(module->s, 200) : "?";
+  const Value* program = manifest.find("program");
+  if (program == nullptr || program->is_null()) {
+    const Value* info = manifest.find("info");
+    const Value* why = info != nullptr ? info->find("cpp") : nullptr;
+    throw PackageError(
+        "fxrt package: it stores no program for the C++ runtime (" +
+        (why != nullptr && why->is_string() ? clip(why->s, 300)
+                                           : std::string("made by an older fxrt; export it again")) +
+        ")");
+  }
+  if (!program->is_object()) {
+    fail("program must be an object");
+  }
+  c10::Device dev = device(string(member(manifest, "device", "manifest"), "device"), "device");
+  m.check_ops(object(manifest, "ops", "manifest"), object(manifest, "producer", "manifest"));
+  m.load_weights(raw, object(manifest, "weights", "manifest"), dev);
+  m.load_program(raw, manifest, *program, dev);
+  m.load_signature(object(manifest, "signature", "manifest"));
+}
+
+Model::~Model() = default;
+Model::Model(Model&&) noexcept = default;
+Model& Model::operator=(Model&&) noexcept = default;
+
+std::vector<at::Tensor> Model::run(const std::vector<at::Tensor>& inputs) const {
+  const Impl& m = *impl_;
+  m.check_user_inputs(inputs);
+  Registers regs = m.exec->registers();
+  for (size_t i = 0; i < m.sources.size(); ++i) {
+    const Impl::Source& s = m.sources[i];
+    regs[static_cast<size_t>(m.input_regs[i])] = s.kind == 1 ? IValue(inputs[s.index]) : s.value;
+  }
+  if (!m.exec->inputs_ok(regs)) {
+    throw InputError("fxrt: the inputs do not match the compiled graph (strides or a weight)");
+  }
+  Failure failure;
+  GilState gil(false);
+  try {
+    m.exec->execute<false, false>(regs, NoForms{}, gil, failure, nullptr, false);
+  } catch (const c10::Error& e) {
+    std::string at = failure.pc >= 0 && static_cast<size_t>(failure.pc) < m.where.size()
+        ? m.where[static_cast<size_t>(failure.pc)]
+        : "the program";
+    throw RunError("fxrt: " + at + " failed: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::string at = failure.pc >= 0 && static_cast<size_t>(failure.pc) < m.where.size()
+        ? m.where[static_cast<size_t>(failure.pc)]
+        : "the program";
+    throw RunError("fxrt: " + at + " failed: " + e.what());
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(m.n_user_outputs);
+  for (const Impl::Out& o : m.outs) {
+    const IValue& v = o.reg >= 0 ? regs[static_cast<size_t>(o.reg)] : o.value;
+    if (o.kind == 0) {
+      if (v.isTensor()) {
+        out.push_back(v.toTensor());
+      } else if (v.isNone()) {
+        out.emplace_back();
+      } else {
+        throw RunError(std::string("fxrt: an output is a ") + v.tagKind() + ", not a tensor");
+      }
+    } else if (v.isTensor()) {
+      (o.kind == 1 ? o.target : inputs[o.user]).copy_(v.toTensor());
+    }
+  }
+  return out;
+}
+
+const std::vector<InputInfo>& Model::inputs() const {
+  return impl_->infos;
+}
+
+size_t Model::num_outputs() const {
+  return impl_->n_user_outputs;
+}
+
+const std::string& Model::module_name() const {
+  return impl_->module;
+}
+
+size_t Model::num_instructions() const {
+  return impl_->exec->size();
+}
+
+}  // namespace fxrt
