@@ -2,12 +2,19 @@
 //
 //   fxrt_runner MODEL.fxrt [--inputs IN.safetensors | --random] [--output OUT.safetensors]
 //               [--bench N] [--clock wall|cpu] [--threads N] [--no-verify]
+//   fxrt_runner --check FILE...
+//   fxrt_runner MODEL.fxrt --inputs IN.safetensors --serve [--clock wall|cpu] [--threads N]
 //
 // Inputs come from a safetensors file (entries "0", "1", ... in call order; in Python,
 // fxrt.deploy.tensorfile.save_tensors writes one) or are random (the exported sizes; the lower end of a dynamic dim's
 // range). It prints each output's dtype and shape, and the latency of the calls it made; with
 // --bench N it calls the model N times after N/10 warm-up calls and prints the median per-call
 // time as one JSON line. Errors go to stderr with exit status 2 (package), 3 (inputs) or 1.
+// --check loads each FILE in turn and, when it loads, runs it once on random inputs, printing
+// one line per file (loaded / refused / failed, and the message): a test of many hostile files
+// in one process. --serve reads a count N per line on stdin, makes N calls and prints the mean
+// time per call in microseconds, one line each, until stdin closes: benchmarks/deploy.py times
+// the runner that way, interleaved with the Python competitors.
 
 #include <fxrt/model.h>
 #include <fxrt/tensors.h>
@@ -25,14 +32,16 @@
 #include <cstring>
 #include <ctime>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace {
 
 struct Args {
+  std::vector<std::string> check;
   std::string model, inputs, output, clock = "wall";
-  bool random = false, verify = true;
+  bool random = false, verify = true, serve = false;
   int bench = 0, threads = 0;
 };
 
@@ -65,15 +74,21 @@ Args parse(int argc, char** argv) {
       a.clock = next();
     } else if (s == "--threads") {
       a.threads = std::atoi(next().c_str());
+    } else if (s == "--serve") {
+      a.serve = true;
     } else if (s == "--no-verify") {
       a.verify = false;
+    } else if (s == "--check") {
+      for (++i; i < argc; ++i) {
+        a.check.push_back(argv[i]);
+      }
     } else if (!s.empty() && s[0] != '-' && a.model.empty()) {
       a.model = s;
     } else {
       usage();
     }
   }
-  if (a.model.empty() || (a.clock != "wall" && a.clock != "cpu")) {
+  if ((a.model.empty() && a.check.empty()) || (a.clock != "wall" && a.clock != "cpu")) {
     usage();
   }
   return a;
@@ -136,6 +151,19 @@ int run(const Args& a) {
       model.num_outputs(), (t1 - t0) / 1e6);
   std::vector<at::Tensor> inputs = a.inputs.empty() ? random_inputs(model) : file_inputs(a.inputs);
   bool cpu = a.clock == "cpu";
+  if (a.serve) {
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      int n = std::max(1, std::atoi(line.c_str()));
+      int64_t s = now_ns(cpu);
+      for (int i = 0; i < n; ++i) {
+        model.run(inputs);
+      }
+      std::printf("%.4f\n", (now_ns(cpu) - s) / 1e3 / n);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   int64_t c0 = now_ns(cpu);
   std::vector<at::Tensor> outputs = model.run(inputs);
   int64_t c1 = now_ns(cpu);
@@ -180,10 +208,40 @@ int run(const Args& a) {
   return 0;
 }
 
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+
+int check(const Args& a) {
+  c10::InferenceMode inference;
+  for (const std::string& path : a.check) {
+    std::unique_ptr<fxrt::Model> model;
+    try {
+      model = std::make_unique<fxrt::Model>(path);
+    } catch (const std::exception& e) {
+      std::printf("%s\trefused\t%s\n", path.c_str(), one_line(e.what()).c_str());
+      continue;
+    }
+    try {
+      model->run(random_inputs(*model));
+      std::printf("%s\tloaded\n", path.c_str());
+    } catch (const c10::Error& e) {
+      std::printf("%s\tfailed\t%s\n", path.c_str(), one_line(e.what_without_backtrace()).c_str());
+    } catch (const std::exception& e) {
+      std::printf("%s\tfailed\t%s\n", path.c_str(), one_line(e.what()).c_str());
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
+  if (!a.check.empty()) {
+    return check(a);
+  }
   try {
     return run(a);
   } catch (const fxrt::PackageError& e) {

@@ -28,32 +28,17 @@ altered is refused in Python too, not only run differently in C++)::
 output use :mod:`fxrt.serialize`'s encoding (a tensor is refused: graph tensors are registers,
 preloaded from the graph's ``constants``); dtypes are written ``torch.float32``. A program with
 PYCALLs is stored too (the Python check covers it), and the C++ runtime refuses it, naming the
-node.
+node. Importing this module imports no torch (``python -m fxrt inspect`` uses it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..exec.program import Alloc, Free, OutCall, Program, PyCall, SymStep, View
-from ..ir.graph import Op
-from ..serialize import SerializationError, _Writer
+if TYPE_CHECKING:
+    from ..exec.program import Program
 
 FORMAT = "fxrt-program/1"
-
-
-class _Args(_Writer):
-    """fxrt.serialize's argument encoding, without tensors."""
-
-    def __init__(self) -> None:
-        super().__init__(())
-
-    def arg(self, a: Any, where: str) -> Any:
-        if isinstance(a, torch.Tensor):
-            raise SerializationError(f"{where}: a tensor argument that is not a register")
-        return super().arg(a, where)
 
 
 def encode_program(program: Program) -> dict[str, Any]:
@@ -62,7 +47,19 @@ def encode_program(program: Program) -> dict[str, Any]:
     Raises:
         SerializationError: an argument the encoding cannot hold.
     """
-    w = _Args()
+    import torch
+
+    from ..exec.program import Alloc, Free, OutCall, PyCall, SymStep, View
+    from ..ir.graph import Op
+    from ..serialize import SerializationError, _Writer
+
+    class Args(_Writer):  # fxrt.serialize's argument encoding, without tensors
+        def arg(self, a: Any, where: str) -> Any:
+            if isinstance(a, torch.Tensor):
+                raise SerializationError(f"{where}: a tensor argument that is not a register")
+            return super().arg(a, where)
+
+    w = Args(())
     names = [n.name for n in program.nodes]
     code: list[dict[str, Any]] = []
     for ins in program.code:
