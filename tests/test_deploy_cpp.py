@@ -4,11 +4,11 @@ and eager, and hostile files.
 The runner is built once per source tree and torch (:mod:`cpp_runner`; the tests skip only when
 there is no CMake or C++ compiler). Covered: W1-W3 and a tiny random-weight GPT-2 (kwargs, a
 dynamic sequence length, a constant input) give eager's answers and exactly ``fxrt.load``'s
-(both loops); inputs outside the exported signature are refused naming the input; damaged,
-truncated and forged files (manifest and program changes re-hashed so that validation, not the
-hash, must refuse them, and a fuzz loop) are refused with a message and a non-zero exit, never a
-crash; packages with Python fallbacks are refused naming the node; ``fxrt.load`` refuses a
-package whose stored program differs from its graph.
+(both loops); threads share one model; inputs outside the exported signature are refused
+naming the input; damaged, truncated and forged files (manifest and program changes re-hashed
+so that validation, not the hash, must refuse them, and a fuzz loop) are refused with a message
+and a non-zero exit, never a crash; packages with Python fallbacks are refused naming the node;
+``fxrt.load`` refuses a package whose stored program differs from its graph.
 """
 
 from __future__ import annotations
@@ -137,6 +137,12 @@ def test_input_errors_name_the_input(runner: Any, gpt2, w_packages, tmp_path: Pa
     save_tensors(src, {"0": torch.randn(3, 256)})
     proc = runner(str(w2), "--inputs", str(src))
     assert proc.returncode == 3 and "dim 0: size 3 (static)" in proc.stderr, proc.stderr
+
+
+def test_threads_share_a_model(runner: Any, w_packages) -> None:
+    proc = runner(str(w_packages["W3"][2]), "--random", "--parallel", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 threads x 50 calls, 0 mismatches" in proc.stdout
 
 
 def test_random_inputs_and_bench(runner: Any, w_packages) -> None:

@@ -1,7 +1,7 @@
 // fxrt_runner: loads an fxrt package and runs it from C++, without Python.
 //
 //   fxrt_runner MODEL.fxrt [--inputs IN.safetensors | --random] [--output OUT.safetensors]
-//               [--bench N] [--clock wall|cpu] [--threads N] [--no-verify]
+//               [--bench N] [--clock wall|cpu] [--threads N] [--parallel K] [--no-verify]
 //   fxrt_runner --check FILE...
 //   fxrt_runner MODEL.fxrt --inputs IN.safetensors --serve [--clock wall|cpu] [--threads N]
 //
@@ -9,7 +9,8 @@
 // fxrt.deploy.tensorfile.save_tensors writes one) or are random (the exported sizes; the lower end of a dynamic dim's
 // range). It prints each output's dtype and shape, and the latency of the calls it made; with
 // --bench N it calls the model N times after N/10 warm-up calls and prints the median per-call
-// time as one JSON line. Errors go to stderr with exit status 2 (package), 3 (inputs) or 1.
+// time as one JSON line. --parallel K runs the model from K threads at once, 50 calls each, and
+// checks that every call's outputs equal the first call's. Errors go to stderr with exit status 2 (package), 3 (inputs) or 1.
 // --check loads each FILE in turn and, when it loads, runs it once on random inputs, printing
 // one line per file (loaded / refused / failed, and the message): a test of many hostile files
 // in one process. --serve reads a count N per line on stdin, makes N calls and prints the mean
@@ -26,6 +27,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +36,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -42,7 +45,7 @@ struct Args {
   std::vector<std::string> check;
   std::string model, inputs, output, clock = "wall";
   bool random = false, verify = true, serve = false;
-  int bench = 0, threads = 0;
+  int bench = 0, threads = 0, parallel = 0;
 };
 
 [[noreturn]] void usage() {
@@ -74,6 +77,8 @@ Args parse(int argc, char** argv) {
       a.clock = next();
     } else if (s == "--threads") {
       a.threads = std::atoi(next().c_str());
+    } else if (s == "--parallel") {
+      a.parallel = std::atoi(next().c_str());
     } else if (s == "--serve") {
       a.serve = true;
     } else if (s == "--no-verify") {
@@ -187,6 +192,30 @@ int run(const Args& a) {
       named.emplace_back(std::to_string(i), outputs[i]);
     }
     fxrt::save_tensors(a.output, named);
+  }
+  if (a.parallel > 0) {
+    std::atomic<int> mismatches{0};
+    std::vector<std::thread> pool;
+    for (int k = 0; k < a.parallel; ++k) {
+      pool.emplace_back([&]() {
+        c10::InferenceMode guard;
+        for (int i = 0; i < 50; ++i) {
+          std::vector<at::Tensor> got = model.run(inputs);
+          for (size_t j = 0; j < got.size(); ++j) {
+            if (got[j].defined() && !got[j].equal(outputs[j])) {
+              ++mismatches;
+            }
+          }
+        }
+      });
+    }
+    for (std::thread& t : pool) {
+      t.join();
+    }
+    std::printf("parallel: %d threads x 50 calls, %d mismatches\n", a.parallel, mismatches.load());
+    if (mismatches.load() != 0) {
+      return 1;
+    }
   }
   if (a.bench > 0) {
     for (int i = 0; i < std::max(1, a.bench / 10); ++i) {
