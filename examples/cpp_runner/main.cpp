@@ -6,11 +6,13 @@
 //   fxrt_runner MODEL.fxrt --inputs IN.safetensors --serve [--clock wall|cpu] [--threads N]
 //
 // Inputs come from a safetensors file (entries "0", "1", ... in call order; in Python,
-// fxrt.deploy.tensorfile.save_tensors writes one) or are random (the exported sizes; the lower end of a dynamic dim's
-// range). It prints each output's dtype and shape, and the latency of the calls it made; with
-// --bench N it calls the model N times after N/10 warm-up calls and prints the median per-call
-// time as one JSON line. --parallel K runs the model from K threads at once, 50 calls each, and
-// checks that every call's outputs equal the first call's. Errors go to stderr with exit status 2 (package), 3 (inputs) or 1.
+// fxrt.deploy.tensorfile.save_tensors writes one) or are random (the exported sizes; the lower
+// end of a dynamic dim's range). It prints each output's dtype and shape, and the latency of the
+// calls it made; with --bench N it calls the model N times after N/10 warm-up calls and prints
+// the median per-call time as one JSON line. --parallel K runs the model from K threads at once,
+// 50 calls each, and checks that every call's outputs equal the first call's. Errors go to
+// stderr with exit status 2 (package), 3 (inputs) or 1.
+//
 // --check loads each FILE in turn and, when it loads, runs it once on random inputs, printing
 // one line per file (loaded / refused / failed, and the message): a test of many hostile files
 // in one process. --serve reads a count N per line on stdin, makes N calls and prints the mean

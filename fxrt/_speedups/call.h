@@ -2,7 +2,7 @@
 // c10::OperatorHandle with one BoundArg per schema argument (call_op.h), positional arguments
 // first, then the rest taken from the call's kwargs by name, and the schema's default values for
 // what the call omits, so the boxed stack is complete. (bind_python.h binds them from the
-// Program's Python objects, csrc/src/program.cpp from a package's stored program.) An argument is
+// Program's Python objects, csrc/src/bind.cpp from a package's stored program.) An argument is
 //
 // * CONST: a constant converted once against the argument's schema type, with torch.ops' own
 //   conversion (torch::jit::argumentToIValue);
