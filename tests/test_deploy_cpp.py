@@ -70,9 +70,7 @@ def _run_cpp(runner: Any, path: Path, inputs: list[torch.Tensor], tmp: Path) -> 
 
 
 def _loaded(path: Path, pure_python: bool) -> Any:
-    if not pure_python and not native_available():
-        pytest.skip("the compiled loop (fxrt._speedups) is not built")
-    return fxrt.load(path, options={"pure_python": pure_python})
+    return fxrt.load(path, options={"pure_python": pure_python or not native_available()})
 
 
 @pytest.mark.parametrize("name", ["W1", "W2", "W3"])
@@ -279,6 +277,22 @@ def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> Non
             blobs.append(_repack(data, header=target))
     results = _check(runner, blobs, tmp_path)
     assert sum(r == "refused" for r, _ in results) > 30, results
+
+
+def test_packages_without_a_program(w_packages, tmp_path: Path) -> None:
+    """Packages of fxrt versions before the stored program still load in Python (and inspect
+    says the C++ runtime cannot run them); a load with other runtime options than the export's
+    checks the stored program against the export's lowering, not its own."""
+    model, (x,), path = w_packages["W3"]
+    old = tmp_path / "old.fxrt"
+    old.write_bytes(_forge(path.read_bytes(), lambda m: m.pop("program")))
+    with torch.inference_mode():
+        torch.testing.assert_close(fxrt.load(old)(x), model(x))
+        for options in ({"arena": False}, {"check_inputs": False}, {"pure_python": True}):
+            torch.testing.assert_close(fxrt.load(path, options=options)(x), model(x))
+    from fxrt.deploy.inspect import describe
+
+    assert "C++ runtime: no (the package stores no program" in describe(str(old))
 
 
 def test_python_fallback_package_refused(runner: Any, tmp_path: Path) -> None:
