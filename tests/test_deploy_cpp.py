@@ -295,23 +295,29 @@ def test_packages_without_a_program(w_packages, tmp_path: Path) -> None:
     assert "C++ runtime: no (the package stores no program" in describe(str(old))
 
 
-def test_python_fallback_package_refused(runner: Any, tmp_path: Path) -> None:
-    class SymArith(torch.nn.Module):
+def test_sym_steps_run_and_python_fallbacks_are_refused(runner: Any, tmp_path: Path) -> None:
+    class Halves(torch.nn.Module):  # sym_size, floordiv (a SYM step), a view of SymInts
         def forward(self, x):
             return x.reshape(x.shape[0] // 2, -1) * 2
 
+    class Thirds(torch.nn.Module):  # truediv of a SymInt: a Python fallback (PYCALL)
+        def forward(self, x):
+            return x * (x.shape[0] / 3)
+
     batch = Dim("batch", min=2, max=64)
-    pkg = fxrt.export(SymArith(), (torch.randn(8, 3),), dynamic_shapes=({0: 2 * batch},))
-    path = tmp_path / "sym.fxrt"
-    pkg.save(path)
-    reason = pkg.manifest["info"]["cpp"]
-    if reason is None:  # every node runs natively (SYM steps): then C++ must give eager's answer
-        x = torch.randn(10, 3)
-        (cpp,) = _run_cpp(runner, path, [x], tmp_path)
-        torch.testing.assert_close(cpp, SymArith()(x))
-        return
-    proc = runner(str(path), "--random")
-    assert proc.returncode == 2 and "runs Python" in proc.stderr, proc.stderr
+    pkg = fxrt.export(Halves(), (torch.randn(8, 3),), dynamic_shapes=({0: 2 * batch},))
+    assert pkg.manifest["info"]["cpp"] is None
+    pkg.save(tmp_path / "halves.fxrt")
+    x = torch.randn(10, 3)
+    (cpp,) = _run_cpp(runner, tmp_path / "halves.fxrt", [x], tmp_path)
+    torch.testing.assert_close(cpp, Halves()(x))
+
+    pkg = fxrt.export(Thirds(), (torch.randn(8, 3),), dynamic_shapes=({0: batch},))
+    assert pkg.manifest["info"]["cpp"] == "node truediv runs Python (operator.truediv)"
+    pkg.save(tmp_path / "thirds.fxrt")
+    proc = runner(str(tmp_path / "thirds.fxrt"), "--random")
+    assert proc.returncode == 2, proc.stderr
+    assert "node truediv runs Python (operator.truediv)" in proc.stderr, proc.stderr
 
 
 def test_inspect_says_cpp_runnable(w_packages) -> None:
