@@ -97,6 +97,8 @@ struct Model::Impl {
   size_t n_user_outputs = 0;
   std::vector<std::string> where;  // per pc: "node <name> (<op>)"
   std::vector<InputInfo> infos;
+  std::vector<std::pair<int64_t, InputSpec>> specs;  // graph input position, spec: for errors
+  std::vector<std::string> input_names;  // per graph input
 
   std::unordered_map<std::string, c10::OperatorHandle> ops;
   std::map<std::string, at::Tensor> weights;
@@ -110,6 +112,7 @@ struct Model::Impl {
   void load_signature(const Value& sig);
   const c10::OperatorHandle& op(const Value& name, const std::string& where) const;
   void check_user_inputs(const std::vector<at::Tensor>& inputs) const;
+  [[noreturn]] void mismatch(const Registers& regs) const;
 };
 
 const c10::OperatorHandle& Model::Impl::op(const Value& name, const std::string& where) const {
@@ -465,6 +468,7 @@ void Model::Impl::load_program(
     if (spec.sizes.size() != spec.strides.size() || spec.sizes.size() > kMaxDims) {
       fail(at + ": malformed");
     }
+    this->specs.emplace_back(pos, spec);
     specs.push_back(std::move(spec));
   }
   std::vector<ArenaInput> arena_inputs;
@@ -552,6 +556,7 @@ void Model::Impl::load_signature(const Value& sig) {
     const std::string& name = string(member(s, "name", at), at + ": input name");
     const std::string& kind = string(member(s, "kind", at), at + ": input kind");
     std::string where = "input '" + clip(name) + "'";
+    input_names.push_back(where);
     Source src;
     if (kind == "weight") {
       const std::string& w = string(member(s, "weight", where), where);
@@ -703,6 +708,35 @@ void Model::Impl::check_user_inputs(const std::vector<at::Tensor>& inputs) const
   }
 }
 
+// The input the compiled graph's check refused (what check_user_inputs does not see: strides,
+// weights), named with what it got and what the graph was compiled for.
+void Model::Impl::mismatch(const Registers& regs) const {
+  auto dims = [](c10::IntArrayRef v) {
+    std::string s;
+    for (size_t d = 0; d < v.size(); ++d) {
+      s += (d ? ", " : "") + (v[d] < -1 ? "s" + std::to_string(-2 - v[d]) : std::to_string(v[d]));
+    }
+    return s;
+  };
+  for (const auto& [pos, spec] : specs) {
+    if (inputs_match({spec}, static_cast<size_t>(kMaxDims) + 1, regs)) {
+      continue;
+    }
+    std::string got = "not a tensor";
+    const IValue& v = regs[spec.reg];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      got = std::string(c10::toString(t.scalar_type())) + "[" + dims(t.sizes()) + "] stride (" +
+          dims(t.strides()) + ") on " + t.device().str();
+    }
+    throw InputError(
+        "fxrt: " + input_names[static_cast<size_t>(pos)] + ": got " + got + ", compiled for " +
+        c10::toString(spec.dtype) + "[" + dims(spec.sizes) + "] stride (" + dims(spec.strides) +
+        ") on " + spec.device.str() + " (-1: any)");
+  }
+  throw InputError("fxrt: the inputs do not match the compiled graph");
+}
+
 // ---------------------------------------------------------------------------------------------
 
 Model::Model(const std::string& path, LoadOptions options) : impl_(std::make_unique<Impl>()) {
@@ -748,7 +782,7 @@ std::vector<at::Tensor> Model::run(const std::vector<at::Tensor>& inputs) const 
     regs[static_cast<size_t>(m.input_regs[i])] = s.kind == 1 ? IValue(inputs[s.index]) : s.value;
   }
   if (!m.exec->inputs_ok(regs)) {
-    throw InputError("fxrt: the inputs do not match the compiled graph (strides or a weight)");
+    m.mismatch(regs);
   }
   Failure failure;
   GilState gil(false);
