@@ -143,6 +143,25 @@ def test_threads_share_a_model(runner: Any, w_packages) -> None:
     assert "4 threads x 50 calls, 0 mismatches" in proc.stdout
 
 
+def test_derived_sizes_are_checked(runner: Any, tmp_path: Path) -> None:
+    class Shift(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y[1:]
+
+    n = Dim("n", min=2, max=20)
+    path = tmp_path / "shift.fxrt"
+    args = (torch.randn(5, 4), torch.randn(6, 4))
+    fxrt.export(Shift(), args, dynamic_shapes=({0: n}, {0: n + 1})).save(path)
+    x, y = torch.randn(7, 4), torch.randn(8, 4)
+    (cpp,) = _run_cpp(runner, path, [x, y], tmp_path)
+    torch.testing.assert_close(cpp, Shift()(x, y))
+    src = tmp_path / "bad.safetensors"
+    save_tensors(src, {"0": x, "1": torch.randn(9, 4)})
+    proc = runner(str(path), "--inputs", str(src))
+    assert proc.returncode == 3, proc.stderr
+    assert re.search(r"input 'y' \(args\[1\]\): dim 0: size 9, expected s\d+ \+ 1 = 8", proc.stderr)
+
+
 def test_random_inputs_and_bench(runner: Any, w_packages) -> None:
     proc = runner(str(w_packages["W2"][2]), "--random", "--bench", "20", "--clock", "cpu")
     assert proc.returncode == 0, proc.stderr

@@ -40,7 +40,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
+#include <optional>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -55,8 +57,134 @@ using namespace decode;
 namespace {
 
 struct Symbol {
+  std::string raw;  // "s0"
   std::string name;  // as messages say it: "batch (s0)"
   int64_t lo = 0, hi = -1;
+};
+
+bool is_symbol(const std::string& s) {
+  return s.size() >= 2 && s.size() <= 20 && (s[0] == 's' || s[0] == 'u') &&
+      std::all_of(s.begin() + 1, s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// A derived size ("2*s0", "s0 + 1", "(s0//2)", "Max(1, s0)") evaluated with the sizes bound to
+// its symbols, with Python's integer semantics; nullopt when a symbol is unbound or the
+// expression uses anything else (it is then not checked, as in fxrt.deploy.binder).
+class SizeExpr {
+ public:
+  SizeExpr(const std::string& text, const std::map<std::string, int64_t>& env)
+      : t_(text), env_(env) {}
+
+  std::optional<int64_t> eval() {
+    std::optional<int64_t> v = sum();
+    skip();
+    return pos_ == t_.size() ? v : std::nullopt;
+  }
+
+ private:
+  void skip() {
+    while (pos_ < t_.size() && t_[pos_] == ' ') {
+      ++pos_;
+    }
+  }
+  bool eat(const char* tok) {
+    skip();
+    size_t n = std::strlen(tok);
+    if (t_.compare(pos_, n, tok) == 0) {
+      pos_ += n;
+      return true;
+    }
+    return false;
+  }
+  static std::optional<int64_t> floordiv(int64_t a, int64_t b, bool mod) {
+    if (b == 0 || (a == INT64_MIN && b == -1)) {
+      return std::nullopt;
+    }
+    int64_t q = a / b, m = a % b;
+    if (m != 0 && ((m < 0) != (b < 0))) {
+      q -= 1;
+      m += b;
+    }
+    return mod ? m : q;
+  }
+  std::optional<int64_t> sum() {
+    std::optional<int64_t> v = product();
+    while (v) {
+      if (eat("+")) {
+        std::optional<int64_t> r = product();
+        int64_t out = 0;
+        v = r && !__builtin_add_overflow(*v, *r, &out) ? std::optional<int64_t>(out) : std::nullopt;
+      } else if (eat("-")) {
+        std::optional<int64_t> r = product();
+        int64_t out = 0;
+        v = r && !__builtin_sub_overflow(*v, *r, &out) ? std::optional<int64_t>(out) : std::nullopt;
+      } else {
+        break;
+      }
+    }
+    return v;
+  }
+  std::optional<int64_t> product() {
+    std::optional<int64_t> v = factor();
+    while (v) {
+      if (eat("//")) {
+        std::optional<int64_t> r = factor();
+        v = r ? floordiv(*v, *r, false) : std::nullopt;
+      } else if (eat("*")) {
+        std::optional<int64_t> r = factor();
+        int64_t out = 0;
+        v = r && !__builtin_mul_overflow(*v, *r, &out) ? std::optional<int64_t>(out) : std::nullopt;
+      } else if (eat("%")) {
+        std::optional<int64_t> r = factor();
+        v = r ? floordiv(*v, *r, true) : std::nullopt;
+      } else {
+        break;
+      }
+    }
+    return v;
+  }
+  std::optional<int64_t> factor() {
+    if (++depth_ > 64) {
+      return std::nullopt;
+    }
+    skip();
+    if (eat("(")) {
+      std::optional<int64_t> v = sum();
+      return eat(")") ? v : std::nullopt;
+    }
+    if (eat("-")) {
+      std::optional<int64_t> v = factor();
+      return v && *v != INT64_MIN ? std::optional<int64_t>(-*v) : std::nullopt;
+    }
+    for (const char* fn : {"Max(", "Min("}) {
+      if (eat(fn)) {
+        std::optional<int64_t> a = sum();
+        if (!a || !eat(",")) {
+          return std::nullopt;
+        }
+        std::optional<int64_t> b = sum();
+        if (!b || !eat(")")) {
+          return std::nullopt;
+        }
+        return fn[1] == 'a' ? std::max(*a, *b) : std::min(*a, *b);
+      }
+    }
+    size_t start = pos_;
+    while (pos_ < t_.size() && std::isalnum(static_cast<unsigned char>(t_[pos_]))) {
+      ++pos_;
+    }
+    std::string word = t_.substr(start, pos_ - start);
+    if (!word.empty() && std::all_of(word.begin(), word.end(), ::isdigit) && word.size() < 18) {
+      return std::stoll(word);
+    }
+    auto it = env_.find(word);
+    return it != env_.end() ? std::optional<int64_t>(it->second) : std::nullopt;
+  }
+
+  const std::string& t_;
+  const std::map<std::string, int64_t>& env_;
+  size_t pos_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace
@@ -82,9 +210,11 @@ struct Model::Impl {
     c10::Device device{c10::kCPU};
     std::vector<int> symbol;  // per dim: index into symbols, or -1 (static or derived)
     std::vector<bool> fixed;  // per dim: a static size
+    std::vector<std::pair<size_t, std::string>> derived;  // dim, size expression
   };
   std::vector<UserInput> users;
   std::vector<Symbol> symbols;
+  std::map<std::string, std::pair<int64_t, int64_t>> derived_ranges;  // expression -> lo, hi
 
   struct Out {
     int kind = 0;  // 0 user, 1 weight mutation, 2 input mutation
@@ -112,6 +242,7 @@ struct Model::Impl {
   void load_signature(const Value& sig);
   const c10::OperatorHandle& op(const Value& name, const std::string& where) const;
   void check_user_inputs(const std::vector<at::Tensor>& inputs) const;
+  [[noreturn]] void input_error(const UserInput& u, const std::string& why) const;
   [[noreturn]] void mismatch(const Registers& regs) const;
 };
 
@@ -539,10 +670,15 @@ void Model::Impl::load_signature(const Value& sig) {
       fail("signature: malformed range");
     }
     Symbol s;
+    s.raw = name;
     const Value* dim = dims.find(name);
     s.name = dim != nullptr && dim->is_string() ? clip(dim->s, 80) + " (" + name + ")" : name;
     s.lo = integer(r.a[0], at, 0, INT64_MAX);
     s.hi = r.a[1].is_null() ? -1 : integer(r.a[1], at, 0, INT64_MAX);
+    if (!is_symbol(name)) {  // a derived size's range ("s0 + 1"): checked with the expression
+      derived_ranges[name] = {s.lo, s.hi};
+      continue;
+    }
     symbol_of[name] = static_cast<int>(symbols.size());
     symbols.push_back(std::move(s));
   }
@@ -588,9 +724,18 @@ void Model::Impl::load_signature(const Value& sig) {
           u.fixed.push_back(true);
         } else {
           const std::string& e = string(d, where + ": size");
+          if (e.size() > 2000) {
+            fail(where + ": size expression too long");
+          }
           auto it = symbol_of.find(e);
+          if (it == symbol_of.end() && is_symbol(e)) {  // a symbol without a range
+            it = symbol_of.emplace(e, static_cast<int>(symbols.size())).first;
+            symbols.push_back({e, e, 0, -1});
+          }
           if (it != symbol_of.end()) {
             sym = it->second;
+          } else {
+            u.derived.emplace_back(u.info.sizes.size(), e);
           }
           u.info.sizes.push_back(-1);
           u.info.min_sizes.push_back(sym >= 0 ? symbols[static_cast<size_t>(sym)].lo : 0);
@@ -645,6 +790,30 @@ void Model::Impl::load_signature(const Value& sig) {
   }
 }
 
+void Model::Impl::input_error(const UserInput& u, const std::string& why) const {
+  std::ostringstream s;
+  s << "fxrt: " << u.label << ": " << why << "; exported for " << c10::toString(u.info.dtype)
+    << "[";
+  size_t k = 0;
+  for (size_t d = 0; d < u.info.sizes.size(); ++d) {
+    s << (d ? ", " : "");
+    if (u.symbol[d] >= 0) {
+      const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
+      s << sym.name << " in [" << sym.lo << ", " << (sym.hi < 0 ? "inf" : std::to_string(sym.hi))
+        << "]";
+    } else if (u.fixed[d]) {
+      s << u.info.sizes[d];
+    } else {
+      while (k < u.derived.size() && u.derived[k].first < d) {
+        ++k;
+      }
+      s << (k < u.derived.size() && u.derived[k].first == d ? u.derived[k].second : "?");
+    }
+  }
+  s << "]";
+  throw InputError(s.str());
+}
+
 void Model::Impl::check_user_inputs(const std::vector<at::Tensor>& inputs) const {
   if (inputs.size() != users.size()) {
     throw InputError(
@@ -652,57 +821,69 @@ void Model::Impl::check_user_inputs(const std::vector<at::Tensor>& inputs) const
         std::to_string(inputs.size()));
   }
   std::vector<int64_t> bound(symbols.size(), -1);
+  bool derived = false;
   for (size_t k = 0; k < users.size(); ++k) {
     const UserInput& u = users[k];
     const at::Tensor& x = inputs[k];
-    auto bad = [&](const std::string& why) {
-      std::ostringstream s;
-      s << "fxrt: " << u.label << ": " << why << "; exported for " << c10::toString(u.info.dtype)
-        << "[";
-      for (size_t d = 0; d < u.info.sizes.size(); ++d) {
-        s << (d ? ", " : "");
-        if (u.symbol[d] >= 0) {
-          const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
-          s << sym.name << " in [" << sym.lo << ", " << (sym.hi < 0 ? "inf" : std::to_string(sym.hi))
-            << "]";
-        } else if (u.fixed[d]) {
-          s << u.info.sizes[d];
-        } else {
-          s << "?";
-        }
-      }
-      s << "]";
-      throw InputError(s.str());
-    };
+    derived = derived || !u.derived.empty();
     if (!x.defined()) {
-      bad("expected a tensor, got an undefined one");
+      input_error(u, "expected a tensor, got an undefined one");
     }
     if (x.scalar_type() != u.info.dtype) {
-      bad(std::string("dtype ") + c10::toString(x.scalar_type()));
+      input_error(u, std::string("dtype ") + c10::toString(x.scalar_type()));
     }
     if (x.device() != u.device) {
-      bad("device " + x.device().str());
+      input_error(u, "device " + x.device().str());
     }
     if (x.dim() != static_cast<int64_t>(u.info.sizes.size())) {
-      bad(std::to_string(x.dim()) + " dims");
+      input_error(u, std::to_string(x.dim()) + " dims");
     }
     for (size_t d = 0; d < u.info.sizes.size(); ++d) {
       int64_t got = x.size(static_cast<int64_t>(d));
       if (u.fixed[d] && got != u.info.sizes[d]) {
-        bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + " (static)");
+        input_error(u, "dim " + std::to_string(d) + ": size " + std::to_string(got) + " (static)");
       }
       if (u.symbol[d] >= 0) {
         const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
         if (got < sym.lo || (sym.hi >= 0 && got > sym.hi)) {
-          bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + " outside " +
-              sym.name + "'s range");
+          input_error(
+              u, "dim " + std::to_string(d) + ": size " + std::to_string(got) + " outside " +
+                  sym.name + "'s range");
         }
         int64_t& b = bound[static_cast<size_t>(u.symbol[d])];
         if (b >= 0 && b != got) {
-          bad("dim " + std::to_string(d) + ": size " + std::to_string(got) + ", but " + sym.name +
-              " is " + std::to_string(b) + " in an earlier input");
+          input_error(
+              u, "dim " + std::to_string(d) + ": size " + std::to_string(got) + ", but " +
+                  sym.name + " is " + std::to_string(b) + " in an earlier input");
         }
         b = got;
+      }
+    }
+  }
+  if (!derived) {
+    return;
+  }
+  std::map<std::string, int64_t> env;
+  for (size_t i = 0; i < symbols.size(); ++i) {
+    if (bound[i] >= 0) {
+      env[symbols[i].raw] = bound[i];
+    }
+  }
+  for (size_t k = 0; k < users.size(); ++k) {
+    for (const auto& [d, expr] : users[k].derived) {
+      std::optional<int64_t> want = SizeExpr(expr, env).eval();
+      int64_t got = inputs[k].size(static_cast<int64_t>(d));
+      auto range = derived_ranges.find(expr);
+      if (range != derived_ranges.end() &&
+          (got < range->second.first || (range->second.second >= 0 && got > range->second.second))) {
+        input_error(
+            users[k], "dim " + std::to_string(d) + ": size " + std::to_string(got) + " outside " +
+                expr + "'s range");
+      }
+      if (want.has_value() && got != *want) {
+        input_error(
+            users[k], "dim " + std::to_string(d) + ": size " + std::to_string(got) +
+                ", expected " + expr + " = " + std::to_string(*want));
       }
     }
   }
