@@ -37,6 +37,7 @@
 #include <ctime>
 #include <iostream>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -121,6 +122,13 @@ std::vector<at::Tensor> random_inputs(const fxrt::Model& m) {
       sizes.push_back(in.sizes[d] >= 0 ? in.sizes[d] : std::max<int64_t>(in.min_sizes[d], 2));
     }
     auto options = at::TensorOptions().dtype(in.dtype);
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(in.dtype));
+    for (int64_t n : sizes) {
+      if (__builtin_mul_overflow(bytes, n, &bytes) || bytes > (int64_t{1} << 30)) {
+        throw std::invalid_argument(
+            "random inputs: " + in.name + " would take over 1 GiB; give --inputs");
+      }
+    }
     if (c10::isFloatingType(in.dtype)) {
       out.push_back(at::randn(sizes, options));
     } else if (in.dtype == at::kBool) {
