@@ -12,6 +12,10 @@ rounds, ``torch.set_num_threads(1)``, under ``torch.inference_mode()``:
   fxrt.load        the loaded package (``pkg.save`` then ``fxrt.load``), called as the model
   static_runtime   torch._C._jit_to_static_module on torch.jit.freeze(torch.jit.trace(model))
   aoti             torch._inductor.aoti_compile_and_package / aoti_load_package (CPU, C++)
+  cpp runner       the package run by examples/cpp_runner (fxrt's C++ runtime, no Python), in a
+                   process of its own that times batches of calls on the same clock when asked
+                   (``--serve``), in the same shuffled rounds; built as the tests build it, left
+                   out (and said so) when there is no CMake or C++ compiler, or with --skip-cpp
 
 and, per packaged runtime (fxrt, aoti):
 
@@ -24,7 +28,8 @@ and, per packaged runtime (fxrt, aoti):
 
 Every competitor's output is checked against eager first. Usage:
 
-    python benchmarks/deploy.py [--rounds 15] [--only W2,gpt2] [--skip-aoti] [--clock cpu]
+    python benchmarks/deploy.py [--rounds 15] [--only W2,gpt2] [--skip-aoti] [--skip-cpp]
+                                [--clock cpu]
     python benchmarks/deploy.py --render bench-results/deploy.json   # the tables again
 """
 
@@ -117,6 +122,47 @@ def static_runtime(model: torch.nn.Module, args: tuple) -> tuple[Callable | None
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
 
 
+class CppRunner:
+    """examples/cpp_runner serving one package: ``batch(n)`` makes n calls in the runner's
+    process and returns its mean µs per call."""
+
+    def __init__(self, exe: Path, package: Path, inputs: tuple, clock: str, tmp: Path):
+        from fxrt.deploy.tensorfile import save_tensors
+
+        src = tmp / f"{package.stem}.inputs.safetensors"
+        save_tensors(src, {str(i): t for i, t in enumerate(inputs)})
+        self.proc = subprocess.Popen(
+            [str(exe), str(package), "--inputs", str(src), "--serve", "--clock", clock,
+             "--threads", "1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        if not self.proc.stdout.readline().startswith("loaded"):
+            raise RuntimeError(f"the C++ runner did not load {package}")
+
+    def batch(self, n: int) -> float:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the C++ runner exited")
+        return float(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def cpp_runner_exe() -> tuple[Path | None, str]:
+    try:
+        import cpp_runner
+
+        return cpp_runner.build(), ""
+    except Exception as e:  # noqa: BLE001 - reported as the reason it is skipped
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
 def direct_loop(pkg: Any) -> Callable:
     cg = pkg.compiled
     weights = [pkg.weights[s["weight"]] for s in pkg.manifest["signature"]["inputs"]
@@ -195,6 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.only or any(k.startswith(o) for o in args.only.split(","))
     }
     results: dict[str, Any] = {}
+    exe, no_cpp = (None, "--skip-cpp") if args.skip_cpp else cpp_runner_exe()
     for i, (name, (model, inputs)) in enumerate(chosen.items()):
         tag = name.split()[0]
         hf = name in ("gpt2", "llama")
@@ -226,7 +273,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 torch.testing.assert_close(fn(*inputs), expected, rtol=1e-4, atol=1e-4, msg=n)
             progress(i, len(chosen), f"{name}: timing {len(fns)} competitors")
             clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-            r["us_per_call"] = measure(fns, inputs, args.rounds, clock=clock)
+            runner = None
+            if exe is not None:
+                runner = CppRunner(exe, tmp / f"{tag}.fxrt", inputs, args.clock, tmp)
+            else:
+                r["skipped"]["cpp runner"] = no_cpp
+            batches = {"cpp runner": runner.batch} if runner is not None else {}
+            try:
+                r["us_per_call"] = measure(fns, inputs, args.rounds, clock=clock, batches=batches)
+            finally:
+                if runner is not None:
+                    runner.close()
         progress(i, len(chosen), f"{name}: fresh-process loads")
         args_path = tmp / f"{tag}.args.pt"
         torch.save(inputs, args_path)
@@ -255,16 +312,18 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        'Ratios: fxrt.load vs loop, vs torch.compile(backend="fxrt"), vs aoti:',
+        'Ratios: fxrt.load vs loop, vs torch.compile(backend="fxrt"), vs aoti; the C++ runner '
+        "vs fxrt.load:",
         "",
-        "| workload | load/loop | load/torch.compile | load/aoti | load/static_runtime |",
-        "|---|---|---|---|---|",
+        "| workload | load/loop | load/torch.compile | load/aoti | load/static_runtime "
+        "| cpp runner/load |",
+        "|---|---|---|---|---|---|",
     ]
     for w, r in results.items():
         cells = [
             _ratio(r["us_per_call"], "fxrt.load", b)
             for b in ("loop", "torch.compile", "aoti", "static_runtime")
-        ]
+        ] + [_ratio(r["us_per_call"], "cpp runner", "fxrt.load")]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -316,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--only", default="", help="comma-separated workload prefixes: W1,W2,gpt2")
     p.add_argument("--skip-aoti", action="store_true", help="leave out AOTInductor (slow to build)")
+    p.add_argument("--skip-cpp", action="store_true", help="leave out the C++ runner")
     p.add_argument(
         "--clock",
         choices=("wall", "cpu"),

@@ -90,9 +90,15 @@ def measure(
     rounds: int,
     target_s: float = 0.02,
     clock: Callable[[], float] = time.perf_counter,
+    batches: dict[str, Callable[[int], float]] | None = None,
 ) -> dict[str, float]:
     """Median over ``rounds`` interleaved rounds of the mean µs per call, timed with ``clock``
-    (wall time by default; ``time.thread_time`` gives the calling thread's CPU time)."""
+    (wall time by default; ``time.thread_time`` gives the calling thread's CPU time).
+
+    ``batches`` are competitors that time themselves (another process: the C++ runner):
+    ``batch(n)`` makes n calls and returns the mean µs per call, on the same kind of clock. They
+    take part in the same shuffled rounds."""
+    batches = batches or {}
     calls: dict[str, int] = {}
     for name, fn in fns.items():  # warm up and size each batch to about target_s
         for _ in range(3):
@@ -101,12 +107,20 @@ def measure(
         fn(*inputs)
         one = max(time.perf_counter() - t0, 1e-7)
         calls[name] = max(5, min(2000, int(target_s / one)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
+    for name, batch in batches.items():
+        batch(3)
+        one = max(batch(1) * 1e-6, 1e-7)
+        calls[name] = max(5, min(2000, int(target_s / one)))
+    samples: dict[str, list[float]] = {name: [] for name in [*fns, *batches]}
+    order = list(samples)
     for _ in range(rounds):
         random.shuffle(order)
         for name in order:
-            fn, n = fns[name], calls[name]
+            n = calls[name]
+            if name in batches:
+                samples[name].append(batches[name](n))
+                continue
+            fn = fns[name]
             t0 = clock()
             for _ in range(n):
                 fn(*inputs)

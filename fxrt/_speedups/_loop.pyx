@@ -1,6 +1,6 @@
 # distutils: language = c++
 # cython: language_level=3, binding=False
-"""Python face of the compiled loop (loop.h).
+"""Python face of the compiled loop (loop.h; py_executor.h builds it from Python objects).
 
 ``Executor`` owns one C++ ``fxrt::Executor``. fxrt.exec.native.NativeLoop subclasses it, builds it
 instruction by instruction from a Program, and is called directly (the subclass inherits this
@@ -34,8 +34,8 @@ cdef extern from "own_ops.h":
     pass
 
 
-cdef extern from "loop.h":
-    cdef cppclass CExecutor "fxrt::Executor":
+cdef extern from "py_executor.h":
+    cdef cppclass CExecutor "fxrt::PyExecutor":
         CExecutor(object ref_type, int64_t n_regs, cbool release_gil) except +set_python_error
         void set_inputs(const vector[int64_t]& regs) except +set_python_error
         void set_constant(int64_t reg, object value) except +set_python_error

@@ -1,18 +1,20 @@
-// Binds and runs CALLs: an op of the Program (fxrt/exec/program.py) resolved once to a
+// Runs CALLs: an op of the Program (fxrt/exec/program.py) resolved once to a
 // c10::OperatorHandle with one BoundArg per schema argument (call_op.h), positional arguments
 // first, then the rest taken from the call's kwargs by name, and the schema's default values for
-// what the call omits, so the boxed stack is complete. An argument is
+// what the call omits, so the boxed stack is complete. (bind_python.h binds them from the
+// Program's Python objects, csrc/src/bind.cpp from a package's stored program.) An argument is
 //
 // * CONST: a constant converted once against the argument's schema type, with torch.ops' own
 //   conversion (torch::jit::argumentToIValue);
 // * REG: a register read, with a check that its IValue already has the schema's type;
 // * TENSOR_LIST / OPT_TENSOR_LIST / INT_LIST: a list literal mixing constants and registers
 //   (cat's tensors, an int list of constants and SymInts), assembled per call;
-// * TREE: anything else that holds registers.
+// * TREE: anything else that holds registers (Python build only).
 //
 // A register that fails its check (an int where a float is expected, a Python object a fallback
 // produced) and every TREE take the slow path: the argument is rebuilt in Python and converted
-// as torch.ops converts it, so the op sees what it would see under the Python loop.
+// as torch.ops converts it, so the op sees what it would see under the Python loop. Without
+// Python (FXRT_NO_PYTHON) the slow path converts ints to floats and raises otherwise.
 //
 // run_call() fills the stack, calls callBoxed, and stores the returns in the output registers,
 // unpacking a multi-output return (several returns, or one list) in order.
@@ -21,7 +23,9 @@
 
 #include "call_op.h"
 
+#ifndef FXRT_NO_PYTHON
 #include <torch/csrc/jit/python/pybind_utils.h>
+#endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -33,13 +37,6 @@
 #include <vector>
 
 namespace fxrt {
-
-// torch.ops' rule (torch/csrc/jit/python/init.cpp) for which ops take numbers as tensors.
-inline bool allows_numbers_as_tensors(const std::string& name) {
-  c10::Symbol symbol = c10::Symbol::fromQualString(name);
-  return symbol.is_prims() || symbol.is_nvprims() ||
-      (symbol.is_aten() && torch::should_allow_numbers_as_tensors(symbol.toUnqualString()));
-}
 
 inline Accept accept_for(const c10::TypePtr& type) {
   switch (type->kind()) {
@@ -132,129 +129,6 @@ inline BoundArg::Kind list_kind(const c10::TypePtr& elem) {
   }
 }
 
-// Argument i of `schema` for the argument value `value` (borrowed). False if it cannot be bound.
-inline bool bind_arg(
-    const c10::FunctionSchema& schema,
-    size_t i,
-    PyObject* value,
-    const RefReader& refs,
-    BoundArg& arg) {
-  const c10::TypePtr& type = schema.arguments()[i].real_type();
-  arg.position = i;
-  if (!refs.contains_ref(value)) {
-    try {
-      arg.value = torch::jit::argumentToIValue(schema, i, value);
-    } catch (const std::exception&) {
-      PyErr_Clear();
-      return false;  // the call raises at run time; a Python fallback reproduces the error
-    }
-    return true;
-  }
-  arg.optional = type->kind() == c10::TypeKind::OptionalType;
-  arg.accept = accept_for(without_optional(type));
-  arg.tree.emplace(value, refs);
-  if (refs.is_ref(value)) {
-    arg.kind = BoundArg::REG;
-    arg.reg = refs.id(value);
-    return true;
-  }
-  arg.kind = BoundArg::TREE;
-  auto list_type = without_optional(type)->cast<c10::ListType>();
-  if (!list_type || !(PyList_Check(value) || PyTuple_Check(value))) {
-    return true;
-  }
-  const c10::TypePtr& elem = list_type->getElementType();
-  BoundArg::Kind kind = list_kind(elem);
-  if (kind == BoundArg::TREE) {
-    return true;
-  }
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
-  for (Py_ssize_t k = 0; k < n; ++k) {
-    PyObject* x = PySequence_Fast_GET_ITEM(value, k);
-    ListItem item;
-    if (refs.is_ref(x)) {
-      item.reg = refs.id(x);
-    } else if (refs.contains_ref(x)) {
-      arg.items.clear();  // a nested list: the slow path's
-      return true;
-    } else {
-      try {
-        item.value = torch::jit::toIValue(x, elem);
-      } catch (const std::exception&) {
-        PyErr_Clear();
-        arg.items.clear();  // the slow path raises torch.ops' own error at run time
-        return true;
-      }
-    }
-    arg.items.push_back(std::move(item));
-  }
-  arg.kind = kind;
-  return true;
-}
-
-// Resolve a Program Call. nullopt, with `why` set, when the op is not in the dispatcher or the
-// call does not bind to its schema: the compiled loop then demotes it to a Python call, which
-// fails (or not) exactly as the Python loop does.
-inline std::optional<CallOp> bind_call(
-    const std::string& name,
-    const std::string& overload,
-    PyObject* args,
-    PyObject* kwargs,
-    const std::vector<int64_t>& outputs,
-    bool multi,
-    const RefReader& refs,
-    std::string& why) {
-  auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-  if (!handle.has_value()) {
-    why = "no dispatcher op " + name + (overload.empty() ? "" : "." + overload);
-    return std::nullopt;
-  }
-  const c10::FunctionSchema& schema = handle->schema();
-  const auto& params = schema.arguments();
-  size_t n_args = static_cast<size_t>(PyTuple_GET_SIZE(args));
-  if (schema.is_vararg() || n_args > params.size()) {
-    why = "more arguments than the schema takes";
-    return std::nullopt;
-  }
-  CallOp call{*handle, {}, outputs, schema.returns().size(), multi};
-  call.numbers_as_tensors = allows_numbers_as_tensors(schema.name());
-  torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(call.numbers_as_tensors);
-  Py_ssize_t kwargs_used = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const c10::Argument& param = params[i];
-    PyObject* value = nullptr;  // borrowed
-    if (i < n_args) {
-      if (param.kwarg_only()) {
-        why = "positional value for keyword-only argument " + param.name();
-        return std::nullopt;
-      }
-      value = PyTuple_GET_ITEM(args, i);
-    } else {
-      value = PyDict_GetItemString(kwargs, param.name().c_str());
-      kwargs_used += value != nullptr;
-    }
-    BoundArg arg;
-    if (value != nullptr) {
-      if (!bind_arg(schema, i, value, refs, arg)) {
-        why = "constant for argument " + param.name() + " does not convert to its schema type";
-        return std::nullopt;
-      }
-    } else if (param.default_value().has_value()) {
-      arg.position = i;
-      arg.value = *param.default_value();
-    } else {
-      why = "no value for argument " + param.name();
-      return std::nullopt;
-    }
-    call.args.push_back(std::move(arg));
-  }
-  if (kwargs_used != PyDict_GET_SIZE(kwargs)) {
-    why = "a keyword argument the schema does not have";
-    return std::nullopt;
-  }
-  return call;
-}
-
 inline const IValue& item_value(const ListItem& item, const std::vector<IValue>& regs) {
   return item.reg < 0 ? item.value : regs[static_cast<size_t>(item.reg)];
 }
@@ -317,8 +191,32 @@ inline std::optional<IValue> int_list(const BoundArg& arg, const std::vector<IVa
   return IValue(std::move(list));
 }
 
+#ifdef FXRT_NO_PYTHON
+// What the checks do not accept, without Python: an int register where a float is expected
+// becomes that float (as torch.ops converts a Python int); anything else is an error naming the
+// argument, where the Python build would convert the value as torch.ops does.
+inline IValue convert_slow(
+    const CallOp& call,
+    const BoundArg& arg,
+    const std::vector<IValue>& regs,
+    GilState&) {
+  const c10::Argument& param = call.op.schema().arguments()[arg.position];
+  if (arg.kind == BoundArg::REG) {
+    const IValue& v = regs[static_cast<size_t>(arg.reg)];
+    if ((arg.accept == Accept::FLOAT || arg.accept == Accept::SYMFLOAT) && v.isInt()) {
+      return IValue(static_cast<double>(v.toInt()));
+    }
+    TORCH_CHECK_TYPE(
+        false, call.op.schema().name(), ": argument ", param.name(), " expects ",
+        param.real_type()->str(), ", got a register holding ", v.tagKind());
+  }
+  TORCH_CHECK_TYPE(
+      false, call.op.schema().name(), ": argument ", param.name(), " (", param.real_type()->str(),
+      ") has a register of another type in its list");
+}
+#else
 // The argument as torch.ops converts its Python form: for what the checks do not accept.
-inline IValue convert_in_python(
+inline IValue convert_slow(
     const CallOp& call,
     const BoundArg& arg,
     const std::vector<IValue>& regs,
@@ -328,6 +226,8 @@ inline IValue convert_in_python(
   torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(call.numbers_as_tensors);
   return torch::jit::argumentToIValue(call.op.schema(), arg.position, value);
 }
+
+#endif
 
 inline void push_arguments(
     const CallOp& call,
@@ -363,7 +263,7 @@ inline void push_arguments(
     if (list.has_value()) {
       stack.push_back(std::move(*list));
     } else {
-      stack.push_back(convert_in_python(call, arg, regs, gil));
+      stack.push_back(convert_slow(call, arg, regs, gil));
     }
   }
 }
@@ -410,9 +310,11 @@ inline void run_call(const CallOp& call, std::vector<IValue>& regs, Stack& stack
   stack.clear();
   push_arguments(call, regs, stack, gil);
   {
+#ifndef FXRT_NO_PYTHON
     // torch.ops keeps this flag set while the op runs: Python kernels it reaches (custom ops,
     // prims) re-enter the dispatcher with the numbers it converted back to Python.
     torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(call.numbers_as_tensors);
+#endif
     call.op.callBoxed(&stack);
   }
   store_returns(call, regs, stack);

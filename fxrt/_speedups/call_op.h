@@ -3,10 +3,18 @@
 // (ALLOC), ViewOp (VIEW), SymOp (SYM) and PyCallOp (PYCALL, and every instruction's Python form).
 // call.h binds and runs a CallOp, inline_ops.h the ALLOC and VIEW forms, sym.h the SYM steps,
 // pycall.h the Python calls; loop.h switches on the kind.
+//
+// Built with FXRT_NO_PYTHON (the C++ runtime, csrc/), everything Python is left out: the GIL is a
+// no-op, arguments have no Python form and there is no PyCallOp. The structs are otherwise the
+// same, so both builds run the same loop.
 
 #pragma once
 
+#ifdef FXRT_NO_PYTHON
+#include <ATen/core/ivalue.h>
+#else
 #include "convert.h"
+#endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -18,9 +26,22 @@
 
 namespace fxrt {
 
+#ifdef FXRT_NO_PYTHON
+using c10::IValue;
+#endif
 using Stack = std::vector<IValue>;
 using Arena = std::vector<at::Tensor>;
 
+#ifdef FXRT_NO_PYTHON
+class GilState {  // no interpreter, no lock
+ public:
+  explicit GilState(bool) {}
+  GilState(const GilState&) = delete;
+  GilState& operator=(const GilState&) = delete;
+  void release() {}
+  void acquire() {}
+};
+#else
 // The GIL, released while native instructions run (when enabled) and taken back on demand.
 class GilState {
  public:
@@ -45,6 +66,7 @@ class GilState {
   bool may_release_;
   PyThreadState* saved_ = nullptr;
 };
+#endif
 
 // Which register values a REG argument passes to the op as they are.
 enum class Accept : uint8_t {
@@ -76,7 +98,9 @@ struct BoundArg {
   size_t position = 0;  // index in the schema's arguments, for the slow path
   IValue value;
   std::vector<ListItem> items;
+#ifndef FXRT_NO_PYTHON
   std::optional<Tree> tree;  // the argument as the Program has it: the slow path's input
+#endif
 };
 
 // CALL: an op through the dispatcher.
@@ -120,6 +144,7 @@ struct ViewOp {
   int64_t offset = 0;  // reinterpret: added to the input's storage offset
 };
 
+#ifndef FXRT_NO_PYTHON
 // PYCALL, and the Python form of every other kind (what a call __torch_function__ must see
 // runs, and what a SYM step on non-integers runs).
 struct PyCallOp {
@@ -130,6 +155,7 @@ struct PyCallOp {
   std::vector<int64_t> outputs;
   bool multi = false;
 };
+#endif
 
 // SYM: outputs = op(args) on int64, Python's semantics; `py` when an operand is not an int or
 // the result would not fit.

@@ -1,21 +1,24 @@
 // The compiled loop: runs an fxrt Program (fxrt/exec/program.py) on a register file of
 // c10::IValue, with the same semantics as the Python loop (fxrt/exec/interp.py).
 //
-// The Executor is built once, instruction by instruction in program order (so an instruction's
-// index is the same as in the Program), one add_* method per instruction kind: CALL (call.h), OUT,
-// ALLOC and VIEW (their arena and inline forms in inline_ops.h, their plain form a CALL), SYM
-// (sym.h), PYCALL (pycall.h) and FREE. Every kind but FREE also gets its Python form, the call
-// torch.ops would make. An add_* method that cannot bind its instruction adds nothing and returns
-// why; fxrt/exec/native.py then adds the demoted instruction and writes the demotion back into
-// the Program. The Executor is immutable afterwards, so any number of threads may run it at once.
+// The Executor here is the loop itself and needs no Python: the Python extension
+// (py_executor.h, PyExecutor) and the C++ runtime (csrc/, built with FXRT_NO_PYTHON) both run it.
+// It is built once, instruction by instruction in program order (so an instruction's index is
+// the same as in the Program), one add_*_op method per instruction kind, each taking the bound
+// instruction: CALL (call.h), OUT, ALLOC and VIEW (their arena and inline forms in
+// inline_ops.h, their plain form a CALL), SYM (sym.h), PYCALL (pycall.h, a placeholder here: its
+// Python form runs it) and FREE. The Executor is immutable afterwards, so any number of threads
+// may run it at once.
 //
-// run() makes a fresh register file per call, preloads the Program's constants, converts and
-// checks the inputs (inputs.h), and walks the instructions with one reused stack, switching on
-// their kind. The GIL is released around runs of native instructions, as torch.ops does around
-// each op, and taken back for Python calls, slow-path conversions, errors and the outputs.
-// Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error -> RuntimeError and friends,
-// C++ warnings -> Python warnings); on failure the register file and the failing instruction go
-// back to the caller, which builds the error the Python loop raises (fxrt/errors.py).
+// Per call, the caller makes a register file (registers(): the Program's constants preloaded),
+// writes the inputs, checks them (inputs_ok(), inputs.h), and execute() walks the instructions
+// with one reused stack, switching on their kind. The caller's Forms run an instruction's Python
+// form (PYCALL, a SYM step on non-integers, every instruction of a call __torch_function__ must
+// see); without Python, NoForms refuses. The GIL (GilState, a no-op without Python) is released
+// around runs of native instructions, as torch.ops does around each op, and taken back for
+// Python calls, slow-path conversions and errors. On failure the register file and the failing
+// instruction go back to the caller, which builds the error the Python loop raises
+// (fxrt/errors.py).
 //
 // Per call, the guards lower() computed (fxrt/exec/guards.py, whose Python twins the Python loop
 // runs) decide two things. A call that __torch_function__ must see (a TorchFunctionMode, a
@@ -24,7 +27,7 @@
 // autograd could record it (grad mode on and an input or constant requires grad), a
 // TorchDispatchMode is active (it must see the graph's own ops), new memory must be filled, or an
 // input's size or dtype differs from what the arena was planned for. It then takes an arena from
-// the pool of its inference mode, or has the Python factory make one, and puts it back after a
+// the pool of its inference mode, or has the factory make one, and puts it back after a
 // successful run; a failed run drops it (the error may still hold views of it).
 
 #pragma once
@@ -33,7 +36,6 @@
 #include "call.h"
 #include "inline_ops.h"
 #include "inputs.h"
-#include "pycall.h"
 #include "sym.h"
 
 #include <ATen/record_function.h>
@@ -43,16 +45,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <stdexcept>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
-
-#ifndef FXRT_TORCH_VERSION
-#error "FXRT_TORCH_VERSION (torch.__version__ at build time) must be defined; build with setup.py"
-#endif
 
 namespace fxrt {
 
@@ -61,7 +59,7 @@ using Registers = std::vector<IValue>;
 struct Instr {
   enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE };
   Kind kind;
-  size_t index;  // into calls_, outs_, allocs_, views_, syms_, forms_ (PYCALL) or frees_
+  size_t index;  // into calls_, outs_, allocs_, views_, syms_ or frees_; the pc for PYCALL
 };
 
 // Filled by run() when an instruction fails: what the caller needs to name the failing node.
@@ -70,193 +68,83 @@ struct Failure {
   Registers regs;
 };
 
+// The Forms of a build without Python: an instruction that needs Python is an error. (The C++
+// runtime refuses programs with PYCALLs when it loads them; a SYM step gets here only on operands
+// that are not ints.)
+struct NoForms {
+  [[noreturn]] void run(size_t pc, std::vector<IValue>&, GilState&) const {
+    TORCH_CHECK(false, "instruction ", pc, " needs Python, which this runtime does not have");
+  }
+};
+
 class Executor {
  public:
-  Executor(PyObject* ref_type, int64_t n_regs, bool release_gil)
-      : refs_(ref_type), template_(static_cast<size_t>(n_regs)), release_gil_(release_gil) {}
+  explicit Executor(int64_t n_regs) : template_(static_cast<size_t>(n_regs)) {}
 
   void set_inputs(const std::vector<int64_t>& regs) { inputs_ = regs; }
+  const std::vector<int64_t>& inputs() const { return inputs_; }
 
-  void set_constant(int64_t reg, PyObject* value) {
-    template_.at(static_cast<size_t>(reg)) = from_python(value);
+  void set_constant_value(int64_t reg, IValue value) {
+    template_.at(static_cast<size_t>(reg)) = std::move(value);
   }
-
-  void set_output(PyObject* tree) { output_.emplace(tree, refs_); }
 
   void add_free(const std::vector<int64_t>& regs) {
     code_.push_back({Instr::FREE, frees_.size()});
     frees_.push_back(regs);
-    forms_.emplace_back();
   }
 
-  // The add_* methods of CALL, OUT, ALLOC and VIEW take the instruction's plain form as one
-  // tuple, `(fn, name, overload, args, kwargs, outputs)`: `fn` is its Python form, and
-  // `name`.`overload`(*args, **kwargs) into `outputs` the op through the dispatcher. Each returns
-  // "" when added, else why it cannot be bound (nothing added).
-
-  // CALL: the plain form.
-  std::string add_call(PyObject* plain, bool multi) {
-    Plain p(plain);
-    std::string why;
-    std::optional<CallOp> call = bind(p, multi, why);
-    if (!call.has_value()) {
-      return why;
-    }
-    push(Instr::CALL, calls_.size(), p, multi);
-    calls_.push_back(std::move(*call));
-    return "";
+  // The bound instructions, in program order.
+  void add_call_op(CallOp call) {
+    grow_stack(call);
+    code_.push_back({Instr::CALL, calls_.size()});
+    calls_.push_back(std::move(call));
   }
-
-  // OUT: the plain form, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
-  // writing arena slot `slot`.
-  std::string add_out(
-      PyObject* plain,
-      int64_t slot,
-      PyObject* out_name,
-      PyObject* out_overload,
-      PyObject* out_args,
-      PyObject* out_kwargs) {
-    Plain p(plain);
-    std::string why;
-    std::optional<CallOp> call = bind(p, false, why);
-    if (!call.has_value()) {
-      return why;
-    }
-    std::optional<CallOp> out = bind_call(
-        py::cast<std::string>(out_name), py::cast<std::string>(out_overload), out_args,
-        out_kwargs, p.outputs, false, refs_, why);
-    if (!out.has_value()) {
-      return "out= form: " + why;
-    }
-    max_stack_ = std::max({max_stack_, out->args.size(), out->n_returns});
-    push(Instr::OUT, outs_.size(), p, false);
-    outs_.push_back({std::move(*call), std::move(*out), slot});
-    return "";
+  void add_out_op(OutOp out) {
+    grow_stack(out.call);
+    grow_stack(out.out);
+    code_.push_back({Instr::OUT, outs_.size()});
+    outs_.push_back(std::move(out));
   }
-
-  // ALLOC: arena slot `slot` (-1: none); with `cpu`, the plain call is a constant CPU
-  // empty_strided made directly.
-  std::string add_alloc(PyObject* plain, int64_t slot, bool cpu) {
-    Plain p(plain);
-    std::string why;
-    std::optional<CallOp> call = bind(p, false, why);
-    if (!call.has_value()) {
-      return why;
-    }
-    AllocOp alloc{std::move(*call), slot, std::nullopt};
-    if (cpu && !bind_cpu_empty(alloc)) {
-      return "empty_strided's arguments are not constants";
-    }
-    push(Instr::ALLOC, allocs_.size(), p, false);
+  void add_alloc_op(AllocOp alloc) {
+    grow_stack(alloc.call);
+    code_.push_back({Instr::ALLOC, allocs_.size()});
     allocs_.push_back(std::move(alloc));
-    return "";
   }
-
-  // VIEW of kind `kind` (ViewOp::Kind) on the register the first argument reads.
-  std::string add_view(
-      PyObject* plain,
-      int64_t kind,
-      bool always,
-      const std::vector<int64_t>& ints,
-      const std::vector<int64_t>& strides,
-      int64_t offset) {
-    Plain p(plain);
-    std::string why;
-    std::optional<CallOp> call = bind(p, false, why);
-    if (!call.has_value()) {
-      return why;
-    }
-    if (call->args.empty() || call->args[0].kind != BoundArg::REG ||
-        kind > static_cast<int64_t>(ViewOp::Kind::REINTERPRET) || kind < 0) {
-      return "the view's input is not a register";
-    }
-    ViewOp view{std::move(*call), static_cast<ViewOp::Kind>(kind), always};
-    view.self = view.call.args[0].reg;
-    view.ints = ints;
-    view.strides = strides;
-    view.offset = offset;
-    push(Instr::VIEW, views_.size(), p, false);
+  void add_view_op(ViewOp view) {
+    grow_stack(view.call);
+    code_.push_back({Instr::VIEW, views_.size()});
     views_.push_back(std::move(view));
-    return "";
   }
-
-  // SYM step `kind` (SymOp::Kind) on `args` (registers or ints) into `output`; `fn` computes it
-  // in Python.
-  std::string add_sym(PyObject* fn, int64_t kind, PyObject* args, int64_t output) {
-    if (kind < 0 || kind > static_cast<int64_t>(SymOp::Kind::MIN)) {
-      return "unknown arithmetic step";
-    }
-    SymOp sym{static_cast<SymOp::Kind>(kind), {}, output};
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
-      PyObject* a = PyTuple_GET_ITEM(args, i);
-      ListItem item;
-      if (refs_.is_ref(a)) {
-        item.reg = refs_.id(a);
-      } else if (PyLong_CheckExact(a)) {
-        item.value = from_python(a);
-      } else {
-        return "an operand is neither a register nor an int";
-      }
-      sym.args.push_back(std::move(item));
-    }
-    if (sym.args.size() != (sym.kind == SymOp::Kind::NEG ? 1u : 2u)) {
-      return "wrong number of operands";
-    }
-    py::object kwargs = steal_or_throw(PyDict_New());
-    forms_.push_back(bind_pycall(fn, args, kwargs.ptr(), {output}, false, refs_));
+  void add_sym_op(SymOp sym) {
     code_.push_back({Instr::SYM, syms_.size()});
     syms_.push_back(std::move(sym));
-    return "";
   }
+  void add_python_op() { code_.push_back({Instr::PYCALL, code_.size()}); }
 
-  void add_pycall(
-      PyObject* fn,
-      PyObject* args,
-      PyObject* kwargs,
-      const std::vector<int64_t>& outputs,
-      bool multi) {
-    forms_.push_back(bind_pycall(fn, args, kwargs, outputs, multi, refs_));
-    code_.push_back({Instr::PYCALL, code_.size()});
-  }
+  size_t size() const { return code_.size(); }
 
-  // The arena: `factory()` makes one (a list of tensors, one per slot); at most `max_idle`
-  // arenas per inference mode are kept between calls.
-  void set_arena(PyObject* factory, int64_t max_idle) {
-    arena_factory_ = py::reinterpret_borrow<py::object>(factory);
+  // The arena: `factory()` makes one (one tensor per slot; called with the GIL held in the
+  // Python build); at most `max_idle` arenas per inference mode are kept between calls.
+  void set_arena_factory(std::function<std::unique_ptr<Arena>()> factory, int64_t max_idle) {
+    arena_factory_ = std::move(factory);
     pool_.set_max_idle(static_cast<size_t>(std::max<int64_t>(max_idle, 0)));
   }
 
-  // The Program's guards (fxrt/exec/guards.py): `specs` are (input position, meta tensor of the
-  // dtype, device string, sizes, strides) tuples and `on_mismatch(inputs)` returns the exception
-  // a mismatch raises; `arena_inputs` are (input position, meta tensor with the size and dtype
-  // the arena needs) pairs.
+  // The Program's guards (fxrt/exec/guards.py): the input specs every call checks, the inputs
+  // the arena needs in their compiled size and dtype, and whether a constant requires grad.
   void set_guards(
-      PyObject* specs,
-      PyObject* on_mismatch,
-      PyObject* arena_inputs,
+      std::vector<InputSpec> specs,
+      std::vector<ArenaInput> arena_inputs,
       bool constants_need_grad) {
-    on_mismatch_ = py::reinterpret_borrow<py::object>(on_mismatch);
     int64_t n_symbols = 0;
-    for (py::handle item : py::reinterpret_borrow<py::list>(specs)) {
-      auto t = item.cast<py::tuple>();
-      InputSpec spec{
-          static_cast<size_t>(inputs_.at(t[0].cast<size_t>())),
-          THPVariable_Unpack(t[1].ptr()).scalar_type(),
-          c10::Device(t[2].cast<std::string>()),
-          t[3].cast<std::vector<int64_t>>(),
-          t[4].cast<std::vector<int64_t>>()};
+    for (const InputSpec& spec : specs) {
       for (int64_t s : spec.sizes) {
         n_symbols = std::max(n_symbols, -1 - s);
       }
-      input_specs_.push_back(std::move(spec));
     }
     n_symbols_ = static_cast<size_t>(n_symbols);
-    for (py::handle item : py::reinterpret_borrow<py::list>(arena_inputs)) {
-      auto pair = item.cast<py::tuple>();
-      const at::Tensor& meta = THPVariable_Unpack(pair[1].ptr());
-      arena_inputs_.push_back({static_cast<size_t>(inputs_.at(pair[0].cast<size_t>())),
-                               meta.sizes().vec(), meta.scalar_type()});
-    }
+    input_specs_ = std::move(specs);
+    arena_inputs_ = std::move(arena_inputs);
     constants_need_grad_ = constants_need_grad;
   }
 
@@ -267,110 +155,38 @@ class Executor {
   // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
   void set_names(const std::vector<std::string>& names) { names_ = names; }
 
-  // Run the program on `inputs` (a list or tuple); with `through_python`, every instruction's
-  // Python form (a call __torch_function__ must see). Returns the output (a new reference), or
-  // nullptr with a Python error set; `failure` then names the instruction when one failed.
-  PyObject* run(PyObject* inputs, Failure& failure, bool through_python) const {
-    HANDLE_TH_ERRORS
-    return through_python ? run_checked<false, true>(inputs, failure, nullptr, false)
-                          : run_checked<false, false>(inputs, failure, nullptr, false);
-    END_HANDLE_TH_ERRORS
+  // A fresh register file: the Program's constants preloaded.
+  Registers registers() const { return template_; }
+
+  // Whether the inputs in `regs` match the input specs.
+  bool inputs_ok(const Registers& regs) const {
+    return input_specs_.empty() || inputs_match(input_specs_, n_symbols_, regs);
   }
 
-  // The instrumented loop, for fxrt.profile(): like run(), and appends pc, start and end (ns,
-  // CLOCK_MONOTONIC like Python's perf_counter_ns) of every instruction but FREEs to `timings`.
-  // With `ranges`, each runs inside an at::RecordFunction named after its node, so
-  // torch.profiler shows it. A separate instantiation: run() pays nothing for it.
-  PyObject* run_timed(
-      PyObject* inputs,
-      Failure& failure,
-      std::vector<int64_t>& timings,
-      bool ranges,
-      bool through_python) const {
-    HANDLE_TH_ERRORS
-    return through_python ? run_checked<true, true>(inputs, failure, &timings, ranges)
-                          : run_checked<true, false>(inputs, failure, &timings, ranges);
-    END_HANDLE_TH_ERRORS
-  }
-
- private:
-  static int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
-  // A plain form tuple (see add_call), borrowed from the caller's reference.
-  struct Plain {
-    explicit Plain(PyObject* tuple) {
-      if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 6) {
-        throw std::invalid_argument("a plain form is (fn, name, overload, args, kwargs, outputs)");
-      }
-      fn = PyTuple_GET_ITEM(tuple, 0);
-      name = PyTuple_GET_ITEM(tuple, 1);
-      overload = PyTuple_GET_ITEM(tuple, 2);
-      args = PyTuple_GET_ITEM(tuple, 3);
-      kwargs = PyTuple_GET_ITEM(tuple, 4);
-      outputs = py::cast<std::vector<int64_t>>(PyTuple_GET_ITEM(tuple, 5));
-    }
-    PyObject *fn, *name, *overload, *args, *kwargs;
-    std::vector<int64_t> outputs;
-  };
-
-  std::optional<CallOp> bind(const Plain& p, bool multi, std::string& why) {
-    std::optional<CallOp> call = bind_call(
-        py::cast<std::string>(p.name), py::cast<std::string>(p.overload), p.args, p.kwargs,
-        p.outputs, multi, refs_, why);
-    if (call.has_value()) {
-      max_stack_ = std::max({max_stack_, call->args.size(), call->n_returns});
-    }
-    return call;
-  }
-
-  // Appends an instruction and its Python form.
-  void push(Instr::Kind kind, size_t index, const Plain& p, bool multi) {
-    forms_.push_back(bind_pycall(p.fn, p.args, p.kwargs, p.outputs, multi, refs_));
-    code_.push_back({kind, index});
-  }
-
-  template <bool Timed, bool Python>
-  PyObject* run_checked(
-      PyObject* inputs,
+  // Run the instructions on `regs` (inputs written and checked); with `Python`, every
+  // instruction's Python form. `Timed` appends pc, start and end (ns, CLOCK_MONOTONIC like
+  // Python's perf_counter_ns) of every instruction but FREEs to `timings`; with `ranges`, each
+  // runs inside an at::RecordFunction named after its node, so torch.profiler shows it. On an
+  // exception `failure` gets the pc and the register file.
+  template <bool Timed, bool Python, class Forms>
+  void execute(
+      Registers& regs,
+      const Forms& forms,
+      GilState& gil,
       Failure& failure,
       std::vector<int64_t>* timings,
       bool ranges) const {
-    py::object seq =
-        steal_or_throw(PySequence_Fast(inputs, "compiled graph inputs must be a list or tuple"));
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-    if (static_cast<size_t>(n) != inputs_.size()) {
-      PyErr_Format(
-          PyExc_TypeError,
-          "compiled graph takes %zu inputs, got %zd",
-          inputs_.size(),
-          n);
-      throw_python_error();
-    }
-    Registers regs(template_);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      regs[static_cast<size_t>(inputs_[i])] = from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
-    }
-    if (!input_specs_.empty() && !inputs_match(input_specs_, n_symbols_, regs)) {
-      py::object exc = on_mismatch_(seq);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-      throw_python_error();
-    }
     bool inference = c10::InferenceMode::is_enabled();
     std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference);
     Stack stack;
     stack.reserve(max_stack_);
-    GilState gil(release_gil_ && !Python);
     size_t pc = 0;
     try {
       for (; pc < code_.size(); ++pc) {
         const Instr& ins = code_[pc];
         if constexpr (Timed) {
           if (ins.kind == Instr::FREE) {
-            step<Python>(pc, regs, stack, gil, nullptr);
+            step<Python>(pc, regs, stack, gil, nullptr, forms);
             continue;
           }
           std::optional<at::RecordFunction> range;
@@ -381,11 +197,11 @@ class Executor {
             }
           }
           int64_t t0 = now_ns();
-          step<Python>(pc, regs, stack, gil, arena.get());
+          step<Python>(pc, regs, stack, gil, arena.get(), forms);
           int64_t t1 = now_ns();
           timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
         } else {
-          step<Python>(pc, regs, stack, gil, arena.get());
+          step<Python>(pc, regs, stack, gil, arena.get(), forms);
         }
       }
     } catch (...) {
@@ -399,12 +215,22 @@ class Executor {
     if (arena != nullptr) {
       pool_.give_back(std::move(arena), inference);
     }
-    return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
+  }
+
+ private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void grow_stack(const CallOp& call) {
+    max_stack_ = std::max({max_stack_, call.args.size(), call.n_returns});
   }
 
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
   std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference) const {
-    if (arena_factory_.is_none() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+    if (!arena_factory_ || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
         fills_uninitialized_memory()) {
       return nullptr;  // a dispatch mode must see the graph's own ops; new memory is filled
     }
@@ -430,16 +256,17 @@ class Executor {
     if (arena != nullptr) {
       return arena;
     }
-    py::object made = steal_or_throw(PyObject_CallNoArgs(arena_factory_.ptr()));
-    arena = std::make_unique<Arena>();
-    for (py::handle t : py::reinterpret_borrow<py::list>(made)) {
-      arena->push_back(THPVariable_Unpack(t.ptr()));
-    }
-    return arena;
+    return arena_factory_();
   }
 
-  template <bool Python>
-  void step(size_t pc, Registers& regs, Stack& stack, GilState& gil, const Arena* arena) const {
+  template <bool Python, class Forms>
+  void step(
+      size_t pc,
+      Registers& regs,
+      Stack& stack,
+      GilState& gil,
+      const Arena* arena,
+      const Forms& forms) const {
     const Instr& ins = code_[pc];
     if (ins.kind == Instr::FREE) {
       for (int64_t r : frees_[ins.index]) {
@@ -448,7 +275,7 @@ class Executor {
       return;
     }
     if constexpr (Python) {
-      run_pycall(forms_[pc], regs);
+      forms.run(pc, regs, gil);
       return;
     }
     switch (ins.kind) {
@@ -491,24 +318,19 @@ class Executor {
       }
       case Instr::SYM:
         if (!run_sym(syms_[ins.index], regs)) {
-          gil.acquire();
-          run_pycall(forms_[pc], regs);
+          forms.run(pc, regs, gil);
         }
         return;
       case Instr::PYCALL:
-        gil.acquire();
-        run_pycall(forms_[pc], regs);
+        forms.run(pc, regs, gil);
         return;
       case Instr::FREE:
         return;
     }
   }
 
-  RefReader refs_;
   Registers template_;
-  bool release_gil_;
   std::vector<int64_t> inputs_;
-  std::optional<Tree> output_;
   std::vector<Instr> code_;
   std::vector<CallOp> calls_;
   std::vector<OutOp> outs_;
@@ -516,13 +338,11 @@ class Executor {
   std::vector<ViewOp> views_;
   std::vector<SymOp> syms_;
   std::vector<std::vector<int64_t>> frees_;
-  std::vector<PyCallOp> forms_;  // per pc: the instruction's Python form (empty for FREEs)
   std::vector<std::string> names_;
   size_t max_stack_ = 0;
-  py::object arena_factory_ = py::none();
+  std::function<std::unique_ptr<Arena>()> arena_factory_;
   std::vector<InputSpec> input_specs_;
   size_t n_symbols_ = 0;
-  py::object on_mismatch_ = py::none();
   std::vector<ArenaInput> arena_inputs_;
   bool constants_need_grad_ = false;
   mutable ArenaPool pool_;

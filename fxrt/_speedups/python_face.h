@@ -4,7 +4,7 @@
 
 #pragma once
 
-#include "loop.h"
+#include "py_executor.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 

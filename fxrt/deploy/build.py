@@ -38,9 +38,12 @@ from torch.export.graph_signature import ConstantArgument
 
 from ..compiler import CompiledGraph, compile_graph
 from ..config import CompilerConfig
-from ..ir.graph import Ref, ValueKind
-from ..serialize import encode_graph, versions
+from ..exec.program import OutCall
+from ..ir.graph import Op, Ref, ValueKind
+from ..pipeline import lower_program
+from ..serialize import SerializationError, encode_graph, versions
 from . import package
+from .program_data import cpp_runnable, encode_program
 from .signature import InputSig, OutputSig, Signature, leaf_paths, spec_to_json
 from .tensorfile import BY_TORCH_NAME
 
@@ -168,6 +171,11 @@ def export(
     for name, r in tensors.items():
         entries.append((f"graph/{name}", "U8", (r.nbytes,), lambda r=r: r.payload or b""))
     ops = {n.op.name: str(n.op.target._schema) for n in cg.graph.nodes if n.op.kind.value == "aten"}
+    runtime = {k: options[k] for k in RUNTIME_OPTIONS if k in options}
+    program, cpp = _stored_program(cg, runtime)
+    for ins in cg.program.code:  # the out= forms the arena uses are called too
+        if isinstance(ins, OutCall):
+            ops[Op.of(ins.out_target).name] = str(ins.out_target._schema)
     # The export device: the weights' (or, with none, the inputs'); fxrt.load(device=...)
     # moves what is on it. Other devices a graph uses (a CPU index tensor) stay as they are.
     devices = [str(t.device) for t in weights.values()] or [
@@ -180,8 +188,9 @@ def export(
         "module": type(model).__name__,
         "device": device,
         "options": _json_options(options),
-        "runtime_options": {k: options[k] for k in RUNTIME_OPTIONS if k in options},
+        "runtime_options": runtime,
         "graph": doc,
+        "program": program,
         "ops": dict(sorted(ops.items())),
         "signature": sig.to_json(),
         "weights": records,
@@ -191,10 +200,22 @@ def export(
                 f"{d.node}: {d.was} -> {d.now} ({d.reason})" for d in cg.program.demotions
             ],
             "executor": cg.executor,
+            "cpp": cpp,
             "seconds": {"export": t1 - t0, "decompose": t2 - t1, "compile": t3 - t2},
         },
     }
     return Package(manifest, cg, ep, weights, entries)
+
+
+def _stored_program(cg: CompiledGraph, runtime: dict[str, Any]) -> tuple[Any, str | None]:
+    """The program ``fxrt.load`` will lower from the package with its runtime options, as data
+    (:mod:`fxrt.deploy.program_data`), and why the C++ runtime cannot run it (None if it can)."""
+    config = CompilerConfig.from_options(None, {**runtime, "cache": False})
+    try:
+        program = encode_program(lower_program(cg.graph, cg.plan, config))
+    except SerializationError as e:
+        return None, f"the program cannot be stored: {e}"
+    return program, cpp_runnable(program)
 
 
 def _decompositions() -> dict[Any, Any]:

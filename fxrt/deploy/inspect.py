@@ -4,8 +4,9 @@ Reads the prelude, checks the structure's hash and parses the manifest and weigh
 weight bytes are not hashed, for speed: ``--verify`` does, and ``--load`` loads the package as
 ``fxrt.load`` does, which also checks every op's schema against this torch). Prints the signature
 (inputs with their paths, dtypes, shapes and size ranges; outputs), the ops and how often the graph
-calls each, the fallbacks and demotions recorded at export, the weights (tensors, entries, bytes,
-tied names) and the versions that made it. Without ``--load`` it imports no torch.
+calls each, the fallbacks and demotions recorded at export, whether the C++ runtime can run it,
+the weights (tensors, entries, bytes, tied names) and the versions that made it. Without
+``--load`` it imports no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from .package import PackageError, read_path
+from .program_data import cpp_runnable
 
 
 def describe(path: str, *, verify: bool = False) -> str:
@@ -85,6 +87,8 @@ def _lines(path: str, raw: Any, m: dict[str, Any]) -> list[str]:
     lines.append("fallbacks: " + (", ".join(map(str, fallbacks)) if fallbacks else "none"))
     for d in info.get("demotions") or []:
         lines.append(f"  demoted: {d}")
+    why = cpp_runnable(m.get("program"))
+    lines.append("C++ runtime: " + ("yes" if why is None else f"no ({why})"))
     weights = m["weights"]
     nbytes = sum(
         e.end - e.begin for name, e in raw.entries.items() if not name.startswith("graph/")

@@ -9,6 +9,9 @@ The manifest (JSON, ``"format": "fxrt-package/1"``) holds::
     runtime_options  the defaults for fxrt.load: pure_python, arena, arena_max_idle, check_inputs
     graph            the compiled fxrt IR, in fxrt.serialize's artifact encoding; its tensors
                      (constants fxrt made) are the weights section's "graph/<name>" entries
+    program          the lowered Program as data, for the C++ runtime
+                     (fxrt.deploy.program_data; null when it cannot be encoded; absent in
+                     packages of fxrt versions before it)
     ops              every ATen op the graph calls: qualified name -> schema string
     signature        graph inputs (weight / tensor / constant / symint), outputs (user leaf /
                      buffer or input mutation), size-symbol ranges and Dim names, in and out
@@ -28,7 +31,9 @@ Loading (after :func:`fxrt.deploy.package.read` has checked the structure and ha
    cache artifacts (ops only by name, Python fallbacks only from the pure-arithmetic allow-list,
    every id bounds-checked, the graph verified) and recomputes the lifetime plan; the program and
    arena are lowered again here. Only the versions check differs: a cache entry must come from
-   this exact fxrt and torch, a package from any that agree on the ops.
+   this exact fxrt and torch, a package from any that agree on the ops. The stored program must
+   equal the one lowered here with the package's runtime options (on the export device; loading
+   onto another device lowers for it and runs that), or the package is refused.
 4. Weights are views into the memory-mapped file (copy-on-write: a write changes this process's
    page, never the file), moved to ``device`` if one is given, and must match the graph's
    metadata for their inputs. With ``device``, the graph's device arguments and metadata are
@@ -53,11 +58,13 @@ from ..compiler import CompiledGraph, _gc_paused
 from ..config import CompilerConfig
 from ..exec.inputs import InputError
 from ..ir.graph import OpKind
+from ..pipeline import lower_program
 from ..serialize import FORMAT as GRAPH_FORMAT
 from ..serialize import SerializationError, decode_graph, resolve_op, versions
 from . import package
 from .binder import Binder
 from .package import PackageError
+from .program_data import encode_program, first_difference
 from .signature import Signature, spec_from_json
 from .tensorfile import DTYPES
 
@@ -74,6 +81,7 @@ _MANIFEST_KEYS = {
     "weights",
     "info",
 }
+_OPTIONAL_KEYS = {"program"}
 _WEIGHT_KEYS = {"entry", "dtype", "shape", "stride", "offset", "kind"}
 _WEIGHT_KINDS = ("parameter", "buffer", "nonpersistent_buffer", "constant")
 RUNTIME_OPTIONS = ("pure_python", "arena", "arena_max_idle", "check_inputs")
@@ -132,7 +140,7 @@ def _build(
     raw: package.RawPackage, where: str, device: Any, options: dict[str, Any]
 ) -> LoadedModel:
     m = raw.manifest
-    if set(m) != _MANIFEST_KEYS:
+    if not _MANIFEST_KEYS <= set(m) <= _MANIFEST_KEYS | _OPTIONAL_KEYS:
         raise _fail(f"manifest fields {sorted(map(str, m))[:20]}")
     for key in ("producer", "options", "runtime_options", "graph", "ops", "weights", "info"):
         if not isinstance(m[key], dict):
@@ -214,9 +222,28 @@ def _build(
         config = CompilerConfig.from_options(None, {**runtime, **options, "cache": False})
     except ValueError as e:
         raise _fail(str(e)) from None
-    cg = CompiledGraph._rebuilt(graph, plan, pass_records, config)
+    program = lower_program(graph, plan, config)
+    if m.get("program") is not None and target == export_device:
+        check = program
+        if any(k in options for k in ("arena", "check_inputs")):
+            as_stored = CompilerConfig.from_options(None, {**runtime, "cache": False})
+            check = lower_program(graph, plan, as_stored)
+        _check_program(m["program"], check)
+    cg = CompiledGraph(graph, plan, program, config)
+    cg.pass_records = pass_records
     binder = Binder(sig, in_spec, None if device is None else target)
     return LoadedModel(cg, sig, binder, out_spec, tensors, records, m, where)
+
+
+def _check_program(stored: Any, program: Any) -> None:
+    """The stored program (what the C++ runtime runs) must be the one lowered from the graph."""
+    try:
+        ours = encode_program(program)
+    except SerializationError:
+        ours = None
+    if ours != stored:
+        where = first_difference(stored, ours)
+        raise _fail(f"the stored program differs from the graph's ({str(where)[:120]})")
 
 
 def _check_ops(ops: dict[str, Any], producer: dict[str, Any]) -> None:

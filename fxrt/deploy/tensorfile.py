@@ -177,6 +177,42 @@ def read_header(buf: Any, start: int, length: int) -> tuple[dict[str, Entry], di
     return entries, meta, data_start
 
 
+def save_tensors(path: Any, tensors: dict[str, Any]) -> None:
+    """Write torch tensors as a standalone safetensors file (the C++ runner's ``--inputs``)."""
+    import torch
+
+    flat = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    head, entries = layout(
+        [
+            (n, BY_TORCH_NAME[str(t.dtype).removeprefix("torch.")], tuple(t.shape))
+            for n, t in flat.items()
+        ],
+        0,
+    )
+    with open(path, "wb") as f:
+        f.write(head)
+        for e in entries:
+            t = flat[e.name]
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def load_tensors(path: Any) -> dict[str, Any]:
+    """The tensors of a standalone safetensors file (copies), by name."""
+    import torch
+
+    with open(path, "rb") as f:
+        buf = f.read()
+    entries, _, data_start = read_header(buf, 0, len(buf))
+    out = {}
+    for name, e in entries.items():
+        dtype = getattr(torch, DTYPES[e.dtype][0])
+        raw = bytearray(buf[data_start + e.begin : data_start + e.end])
+        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(e.shape)
+    return out
+
+
 def _entry(name: str, d: Any, data_len: int, data_start: int) -> Entry:
     where = f"tensor {name[:60]!r}"
     if len(name) > MAX_NAME:

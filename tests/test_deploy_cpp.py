@@ -1,0 +1,352 @@
+"""The C++ runtime (``csrc/``) through ``examples/cpp_runner``: packages against ``fxrt.load``
+and eager, and hostile files.
+
+The runner is built once per source tree and torch (:mod:`cpp_runner`; the tests skip only when
+there is no CMake or C++ compiler). Covered: W1-W3 and a tiny random-weight GPT-2 (kwargs, a
+dynamic sequence length, a constant input) give eager's answers and exactly ``fxrt.load``'s
+(both loops); threads share one model; inputs outside the exported signature are refused
+naming the input; damaged, truncated and forged files (manifest and program changes re-hashed
+so that validation, not the hash, must refuse them, and a fuzz loop) are refused with a message
+and a non-zero exit, never a crash; packages with Python fallbacks are refused naming the node;
+``fxrt.load`` refuses a package whose stored program differs from its graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import native_available
+from test_deploy import _ids, _mutate, _repack, _sections
+from torch.export import Dim
+
+import fxrt
+from fxrt.deploy.program_data import cpp_runnable
+from fxrt.deploy.tensorfile import load_tensors, save_tensors
+from fxrt.models import workloads
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    import cpp_runner
+
+    try:
+        cpp_runner.build()
+    except cpp_runner.Unavailable as e:
+        pytest.skip(str(e))
+    return cpp_runner.run
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cpp")
+
+
+@pytest.fixture(scope="module")
+def w_packages(store: Path) -> dict[str, tuple[Any, tuple, Path]]:
+    out = {}
+    for name, (model, args) in workloads().items():
+        path = store / f"{name.split()[0]}.fxrt"
+        fxrt.export(model, args).save(path)
+        out[name.split()[0]] = (model, args, path)
+    return out
+
+
+def _run_cpp(runner: Any, path: Path, inputs: list[torch.Tensor], tmp: Path) -> list[torch.Tensor]:
+    src, dst = tmp / f"{path.stem}-in.safetensors", tmp / f"{path.stem}-out.safetensors"
+    save_tensors(src, {str(i): t for i, t in enumerate(inputs)})
+    proc = runner(str(path), "--inputs", str(src), "--output", str(dst))
+    assert proc.returncode == 0, proc.stderr
+    out = load_tensors(dst)
+    return [out[str(i)] for i in range(len(out))]
+
+
+def _loaded(path: Path, pure_python: bool) -> Any:
+    return fxrt.load(path, options={"pure_python": pure_python or not native_available()})
+
+
+@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+def test_workloads_cpp_equals_load_equals_eager(
+    name: str, runner: Any, w_packages, tmp_path: Path
+) -> None:
+    model, (x,), path = w_packages[name]
+    assert cpp_runnable(fxrt.load(path).manifest["program"]) is None
+    x = torch.randn_like(x)
+    with torch.inference_mode():
+        eager = model(x)
+        loads = [_loaded(path, p)(x) for p in (False, True)]
+    (cpp,) = _run_cpp(runner, path, [x], tmp_path)
+    torch.testing.assert_close(cpp, eager)
+    for out in loads:
+        torch.testing.assert_close(cpp, out, rtol=0, atol=0)  # the same loop, the same kernels
+
+
+@pytest.fixture(scope="module")
+def gpt2(store: Path) -> tuple[Any, Path]:
+    from clients_child import build
+
+    model = build("gpt2")
+    ids = _ids(2, 8)
+    seq = Dim("seq", min=2, max=32)
+    kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False}
+    dyn = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
+    path = store / "gpt2.fxrt"
+    fxrt.export(model, (ids,), kwargs, dynamic_shapes=dyn).save(path)
+    return model, path
+
+
+def test_gpt2_cpp_dynamic(runner: Any, gpt2, tmp_path: Path) -> None:
+    model, path = gpt2
+    for seq in (8, 5, 17):
+        ids = _ids(2, seq)
+        mask = torch.ones_like(ids)
+        mask[0, : seq // 3] = 0
+        with torch.inference_mode():
+            eager = model(ids, attention_mask=mask, use_cache=False).logits
+            loaded = _loaded(path, False)(ids, attention_mask=mask, use_cache=False).logits
+        (cpp,) = _run_cpp(runner, path, [ids, mask], tmp_path)
+        torch.testing.assert_close(cpp, eager)
+        torch.testing.assert_close(cpp, loaded, rtol=0, atol=0)
+
+
+def test_input_errors_name_the_input(runner: Any, gpt2, w_packages, tmp_path: Path) -> None:
+    _, path = gpt2
+    for inputs, match in [
+        ([_ids(2, 40), torch.ones(2, 40, dtype=torch.long)], "input 'input_ids'.*dim 1: size 40"),
+        ([_ids(2, 8), torch.ones(2, 9, dtype=torch.long)], "attention_mask.*dim 1: size 9"),
+        ([_ids(2, 8).float(), torch.ones(2, 8, dtype=torch.long)], "input_ids.*dtype Float"),
+        ([_ids(2, 8)], "takes 2 tensor inputs, got 1"),
+    ]:
+        src = tmp_path / "bad.safetensors"
+        save_tensors(src, {str(i): t for i, t in enumerate(inputs)})
+        proc = runner(str(path), "--inputs", str(src))
+        assert proc.returncode == 3, proc.stderr
+        assert re.search(match, proc.stderr), proc.stderr
+    _, _, w2 = w_packages["W2"]
+    src = tmp_path / "w2.safetensors"
+    save_tensors(src, {"0": torch.randn(3, 256)})
+    proc = runner(str(w2), "--inputs", str(src))
+    assert proc.returncode == 3 and "dim 0: size 3 (static)" in proc.stderr, proc.stderr
+
+
+def test_threads_share_a_model(runner: Any, w_packages) -> None:
+    proc = runner(str(w_packages["W3"][2]), "--random", "--parallel", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 threads x 50 calls, 0 mismatches" in proc.stdout
+
+
+def test_derived_sizes_are_checked(runner: Any, tmp_path: Path) -> None:
+    class Shift(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y[1:]
+
+    n = Dim("n", min=2, max=20)
+    path = tmp_path / "shift.fxrt"
+    args = (torch.randn(5, 4), torch.randn(6, 4))
+    fxrt.export(Shift(), args, dynamic_shapes=({0: n}, {0: n + 1})).save(path)
+    x, y = torch.randn(7, 4), torch.randn(8, 4)
+    (cpp,) = _run_cpp(runner, path, [x, y], tmp_path)
+    torch.testing.assert_close(cpp, Shift()(x, y))
+    src = tmp_path / "bad.safetensors"
+    save_tensors(src, {"0": x, "1": torch.randn(9, 4)})
+    proc = runner(str(path), "--inputs", str(src))
+    assert proc.returncode == 3, proc.stderr
+    assert re.search(r"input 'y' \(args\[1\]\): dim 0: size 9, expected s\d+ \+ 1 = 8", proc.stderr)
+
+
+def test_random_inputs_and_bench(runner: Any, w_packages) -> None:
+    proc = runner(str(w_packages["W2"][2]), "--random", "--bench", "20", "--clock", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "output 0: Float[1, 256]" in proc.stdout
+    assert '"median_us"' in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile files: always a message and a clean exit
+
+
+def _check(runner: Any, blobs: list[bytes], tmp: Path) -> list[tuple[str, str]]:
+    """Run ``--check`` on the files; (outcome, message) per file, in order."""
+    paths = []
+    for i, b in enumerate(blobs):
+        p = tmp / f"hostile-{i}.fxrt"
+        p.write_bytes(b)
+        paths.append(str(p))
+    proc = runner("--check", *paths, timeout=900)
+    assert proc.returncode == 0, f"the runner crashed ({proc.returncode}): {proc.stderr[-2000:]}"
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(blobs), proc.stdout[-2000:]
+    out = []
+    for path, line in zip(paths, lines):
+        fields = line.split("\t")
+        assert fields[0] == path
+        out.append((fields[1], fields[2] if len(fields) > 2 else ""))
+    return out
+
+
+def test_damaged_and_truncated(runner: Any, w_packages, tmp_path: Path) -> None:
+    data = w_packages["W3"][2].read_bytes()
+    rng = random.Random(0)
+    blobs = []
+    for pos in sorted(rng.sample(range(len(data)), 40)) + [0, 8, 12, 16, 56, 100]:
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << rng.randrange(8)
+        blobs.append(bytes(flipped))
+    blobs += [data[:cut] for cut in (1, 56, 127, 128, 4096, len(data) - 1)]
+    blobs += [data + b"\0", b"not a package at all " * 20]
+    results = _check(runner, blobs, tmp_path)
+    assert all(r == "refused" for r, _ in results), results
+    msgs = [m for _, m in results]
+    assert any("truncated" in m for m in msgs) and any("SHA-256" in m for m in msgs)
+    assert "bad magic" in msgs[-1]
+    proc = runner(str(tmp_path / "hostile-0.fxrt"))
+    assert proc.returncode == 2 and "fxrt_runner:" in proc.stderr
+
+
+def _forge(data: bytes, change: Any) -> bytes:
+    m, _, _ = _sections(data)
+    m = copy.deepcopy(m)
+    change(m)
+    return _repack(data, manifest=m)
+
+
+def _instr(kind: str) -> Any:
+    def find(m: Any) -> dict[str, Any]:
+        return next(i for i in m["program"]["code"] if i["kind"] == kind)
+
+    return find
+
+
+def test_forged_programs(runner: Any, w_packages, tmp_path: Path) -> None:
+    data = w_packages["W2"][2].read_bytes()
+    call = _instr("CALL")
+    n_regs = _sections(data)[0]["program"]["n_regs"]
+
+    def set_(getter: Any, key: str, value: Any) -> Any:
+        return lambda m: getter(m).__setitem__(key, value)
+
+    def first_ref(m: Any) -> dict[str, Any]:
+        return next(a for a in call(m)["args"]["tuple"] if isinstance(a, dict) and "ref" in a)
+
+    cases = [
+        (set_(call, "op", "aten::no_such_op"), "not in the package's op table"),
+        (
+            lambda m: m["ops"].update({"aten::no_such_op": "aten::no_such_op() -> ()"}),
+            "not registered",
+        ),
+        (
+            lambda m: m["ops"].update({k: v + " " for k, v in m["ops"].items()}),
+            "changed its schema",
+        ),
+        (lambda m: first_ref(m).update(ref=n_regs + 5), "register"),
+        (lambda m: first_ref(m).update(ref=-1), "register"),
+        (lambda m: first_ref(m).update(ref=m["program"]["n_regs"] - 1), "before it is written"),
+        (set_(call, "kind", "PYCALL"), "runs Python"),
+        (set_(call, "kind", "JUMP"), "unknown instruction kind"),
+        (set_(call, "outputs", []), "no outputs"),
+        (set_(call, "args", {"tuple": []}), "no value for argument"),
+        (set_(call, "kwargs", {"dict": {"bogus": 1}}), "keyword argument"),
+        (set_(call, "node", 10**6), "node"),
+        (lambda m: m["program"].update(n_regs=2**40), "n_regs"),
+        (lambda m: m["program"].update(output={"ref": 10**9}), "register"),
+        (lambda m: m["program"]["guards"]["inputs"][0].__setitem__(0, 99), "input spec"),
+        (lambda m: m["program"]["guards"]["inputs"][0].__setitem__(1, "torch.float128"), "dtype"),
+        (lambda m: m["program"].pop("code"), "code"),
+        (lambda m: m.update(program=None), "stores no program"),
+        (lambda m: m.pop("program"), "stores no program"),
+        (lambda m: m["weights"]["layers.0.bias"].update(offset=10**6), "reaches past"),
+        (lambda m: m["signature"]["inputs"].pop(), "signature"),
+        (lambda m: m["program"]["code"].insert(0, {"kind": "FREE", "regs": [0]}), "before it is"),
+    ]
+    blobs = [_forge(data, change) for change, _ in cases]
+    results = _check(runner, blobs, tmp_path)
+    for (outcome, msg), (_, match) in zip(results, cases):
+        assert outcome == "refused" and match in msg, (match, outcome, msg)
+    # fxrt.load refuses a program that differs from the graph's too (it never runs the stored
+    # one, but a package must mean one thing).
+    for blob in blobs[3:8]:
+        with pytest.raises(fxrt.PackageError):
+            fxrt.load(blob)
+
+
+def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> None:
+    """Random mutations of the manifest (program included) and weights header, re-hashed: the
+    C++ runtime refuses them or runs them to a clean error, never crashes."""
+    data = w_packages["W3"][2].read_bytes()
+    manifest, header, _ = _sections(data)
+    rng = random.Random(2)
+    junk = [None, -1, 0, 2**62, 1.5, "", "x" * 5000, [], {}, [[[]]], {"ref": 3}, True, "aten::mm"]
+    blobs = []
+    for i in range(120):
+        if i % 4:
+            target = copy.deepcopy(manifest)
+            _mutate(target["program"] if i % 2 else target, rng, junk)
+            blobs.append(_repack(data, manifest=target))
+        else:
+            target = copy.deepcopy(header)
+            _mutate(target, rng, junk)
+            blobs.append(_repack(data, header=target))
+    results = _check(runner, blobs, tmp_path)
+    assert sum(r == "refused" for r, _ in results) > 30, results
+
+
+def test_packages_without_a_program(w_packages, tmp_path: Path) -> None:
+    """Packages of fxrt versions before the stored program still load in Python (and inspect
+    says the C++ runtime cannot run them); a load with other runtime options than the export's
+    checks the stored program against the export's lowering, not its own."""
+    model, (x,), path = w_packages["W3"]
+    old = tmp_path / "old.fxrt"
+    old.write_bytes(_forge(path.read_bytes(), lambda m: m.pop("program")))
+    with torch.inference_mode():
+        torch.testing.assert_close(fxrt.load(old)(x), model(x))
+        for options in ({"arena": False}, {"check_inputs": False}, {"pure_python": True}):
+            torch.testing.assert_close(fxrt.load(path, options=options)(x), model(x))
+    from fxrt.deploy.inspect import describe
+
+    assert "C++ runtime: no (the package stores no program" in describe(str(old))
+
+
+def test_sym_steps_run_and_python_fallbacks_are_refused(runner: Any, tmp_path: Path) -> None:
+    class Halves(torch.nn.Module):  # sym_size, floordiv (a SYM step), a view of SymInts
+        def forward(self, x):
+            return x.reshape(x.shape[0] // 2, -1) * 2
+
+    class Thirds(torch.nn.Module):  # truediv of a SymInt: a Python fallback (PYCALL)
+        def forward(self, x):
+            return x * (x.shape[0] / 3)
+
+    batch = Dim("batch", min=2, max=64)
+    pkg = fxrt.export(Halves(), (torch.randn(8, 3),), dynamic_shapes=({0: 2 * batch},))
+    assert pkg.manifest["info"]["cpp"] is None
+    pkg.save(tmp_path / "halves.fxrt")
+    x = torch.randn(10, 3)
+    (cpp,) = _run_cpp(runner, tmp_path / "halves.fxrt", [x], tmp_path)
+    torch.testing.assert_close(cpp, Halves()(x))
+
+    pkg = fxrt.export(Thirds(), (torch.randn(8, 3),), dynamic_shapes=({0: batch},))
+    assert pkg.manifest["info"]["cpp"] == "node truediv runs Python (operator.truediv)"
+    pkg.save(tmp_path / "thirds.fxrt")
+    proc = runner(str(tmp_path / "thirds.fxrt"), "--random")
+    assert proc.returncode == 2, proc.stderr
+    assert "node truediv runs Python (operator.truediv)" in proc.stderr, proc.stderr
+
+
+def test_inspect_says_cpp_runnable(w_packages) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "fxrt", "inspect", str(w_packages["W2"][2])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "C++ runtime: yes" in proc.stdout
