@@ -255,6 +255,28 @@ def test_dynamic_range_and_errors(executor: str, mlp_dynamic) -> None:
         m([1.0] * 256)
 
 
+class _Shifted(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sum() + y[1:].sum() * 2, y[1:] + x
+
+
+def test_derived_dims(executor: str, tmp_path: Path) -> None:
+    """``Dim`` arithmetic (y's length is x's plus one): one package serves the range, and a call
+    that breaks the relation names the input and the expression."""
+    n = Dim("n", min=2, max=64)
+    x, y = torch.randn(5, 3), torch.randn(6, 3)
+    pkg = fxrt.export(_Shifted(), (x, y), dynamic_shapes={"x": {0: n}, "y": {0: n + 1}})
+    pkg.save(tmp_path / "shifted.fxrt")
+    m = _load(tmp_path / "shifted.fxrt", executor)
+    for k in (2, 9, 64):
+        x, y = torch.randn(k, 3), torch.randn(k + 1, 3)
+        torch.testing.assert_close(m(x, y), _Shifted()(x, y))
+    with pytest.raises(fxrt.InputError, match=r"input 'y' .*dim 0: size 4, expected s\d+ \+ 1 = 5"):
+        m(torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(fxrt.InputError, match=r"input 'y' .*3 dims, exported for 2"):
+        m(torch.randn(4, 3), torch.randn(5, 3, 1))
+
+
 def test_static_input_errors_name_the_input(w_packages) -> None:
     _, _, path = w_packages["W2"]
     m = fxrt.load(path)

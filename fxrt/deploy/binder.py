@@ -132,8 +132,8 @@ class Binder:
             if x.device != device:
                 raise self._error(s, f"device {x.device}, exported for {device}", x)
             shape = x.shape
-            if len(shape) != len(dims):
-                raise self._error(s, f"{len(shape)} dims, exported for {len(dims)}", x)
+            if len(shape) != len(s.shape):
+                raise self._error(s, f"{len(shape)} dims, exported for {len(s.shape)}", x)
             for d, want, rng in dims:
                 got = shape[d]
                 if rng is None:

@@ -44,7 +44,7 @@ from ..pipeline import lower_program
 from ..serialize import SerializationError, encode_graph, versions
 from . import package
 from .program_data import cpp_runnable, encode_program
-from .signature import InputSig, OutputSig, Signature, leaf_paths, spec_to_json
+from .signature import SYMBOL, InputSig, OutputSig, Signature, leaf_paths, spec_to_json
 from .tensorfile import BY_TORCH_NAME
 
 # Options that say how the loaded model runs (stored, and accepted by fxrt.load); the others
@@ -307,6 +307,10 @@ def _signature(
             raise ValueError(f"fxrt.export: graph outputs of kind {kind} are not supported")
     ranges = {}
     for sym, vr in ep.range_constraints.items():
+        if not SYMBOL.fullmatch(str(sym)):
+            # A derived size (``s0 + 1`` of ``Dim`` arithmetic): its range follows from its
+            # symbols', and each call checks it against them (binder.Binder.derived).
+            continue
         lo, hi = vr.lower, vr.upper
         ranges[str(sym)] = (int(lo) if lo.is_finite else 0, int(hi) if hi.is_finite else None)
     return Signature(
