@@ -86,7 +86,9 @@ def test_workloads_cpp_equals_load_equals_eager(
     (cpp,) = _run_cpp(runner, path, [x], tmp_path)
     torch.testing.assert_close(cpp, eager)
     for out in loads:
-        torch.testing.assert_close(cpp, out, rtol=0, atol=0)  # the same loop, the same kernels
+        # The same loop and kernels, in another process (a GEMM may split its work otherwise there:
+        # bit equality is not promised across processes).
+        torch.testing.assert_close(cpp, out)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def test_gpt2_cpp_dynamic(runner: Any, gpt2, tmp_path: Path) -> None:
             loaded = _loaded(path, False)(ids, attention_mask=mask, use_cache=False).logits
         (cpp,) = _run_cpp(runner, path, [ids, mask], tmp_path)
         torch.testing.assert_close(cpp, eager)
-        torch.testing.assert_close(cpp, loaded, rtol=0, atol=0)
+        torch.testing.assert_close(cpp, loaded)
 
 
 def test_input_errors_name_the_input(runner: Any, gpt2, w_packages, tmp_path: Path) -> None:
