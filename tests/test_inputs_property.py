@@ -280,15 +280,14 @@ def test_static_graph_gives_eagers_answer_or_names_the_input(loop: str, case) ->
     )
 
 
-# Symbolic graphs are called with dense layouts only: their strides are symbolic, so the input
-# check does not compare them, and a trace that relied on one (a reshape that became a view of a
-# contiguous example) fails inside the op on a transposed input; see the xfail test below.
-DENSE = ["contiguous", "offset"]
+# Symbolic graphs are traced on contiguous examples, so they are compiled for dense inputs (the
+# check compares the layout the strides imply, see test_symbolic_graph_names_...); called with
+# every layout, each call gives eager's answer or an InputError.
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 @settings(THIS_MANY, max_examples=max(20, settings().max_examples // 12))
-@given(case=cases(DENSE))
+@given(case=cases())
 def test_symbolic_graph_gives_eagers_answer_or_an_input_error(loop: str, case) -> None:
     name, traced, inputs, what = case
     note(f"{name} traced symbolically on {traced}; called with {what}")
@@ -324,16 +323,24 @@ def test_wrong_shapes_on_a_static_matmul_name_the_input(executor: str) -> None:
         cg(torch.randn(2, 8), torch.randn(8, 5))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=fxrt.ExecutionError,
-    reason="known gap: a symbolic-size graph's input check skips symbolic strides, so a reshape "
-    "traced as a view of a contiguous input fails inside aten::view on a transposed one instead "
-    "of raising InputError (the trace's stride guards are not checked per call)",
-)
-def test_symbolic_graph_names_an_input_whose_strides_it_relied_on() -> None:
+def test_symbolic_graph_names_an_input_whose_strides_it_relied_on(executor: str) -> None:
+    """A symbolic-size graph traced on a contiguous input (a reshape became a view) is compiled
+    for dense inputs: a transposed one is named, not failed inside aten::view; a contiguous one
+    of another size, and a size-1 dimension with any stride, pass."""
+    if executor == "cpp" and not native_available():
+        pytest.skip("the compiled loop is not built")
     gm = make_fx(lambda y: y.reshape(-1) * 3, tracing_mode="symbolic")(torch.randn(2, 3))
-    cg = fxrt.compile_graph(gm, None, fxrt.CompilerConfig(cache=False))
-    y = torch.randn(3, 2).t()
+    cfg = fxrt.CompilerConfig(pure_python=executor == "python", cache=False)
+    cg = fxrt.compile_graph(gm, None, cfg)
+    with pytest.raises(fxrt.InputError, match="input 0.*not dense in the layout"):
+        cg(torch.randn(3, 2).t())
+    for y in (torch.randn(4, 5), torch.randn(5, 1).as_strided((5, 1), (1, 7))):
+        torch.testing.assert_close(cg(y), y.reshape(-1) * 3)
+    # Permuted dense: traced channels-last stays channels-last.
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    gm = make_fx(lambda x: x.flatten(2).sum(-1), tracing_mode="symbolic")(x)
+    cg = fxrt.compile_graph(gm, None, cfg)
+    y = torch.randn(3, 3, 2, 6).to(memory_format=torch.channels_last)
+    torch.testing.assert_close(cg(y), y.flatten(2).sum(-1))
     with pytest.raises(fxrt.InputError, match="input 0"):
-        cg(y)
+        cg(torch.randn(3, 3, 2, 6))

@@ -595,9 +595,25 @@ void Model::Impl::load_program(
     InputSpec spec{
         static_cast<size_t>(input_regs[static_cast<size_t>(pos)]), dtype(s.a[1], at),
         device(string(s.a[2], at), at), ints(s.a[3], at, -2 - kMaxDims, int64_t{1} << 62),
-        ints(s.a[4], at, -1, int64_t{1} << 62)};
+        ints(s.a[4], at, -2 - kMaxDims, int64_t{1} << 62)};
     if (spec.sizes.size() != spec.strides.size() || spec.sizes.size() > kMaxDims) {
       fail(at + ": malformed");
+    }
+    // Strides -2 - k (dense in an order): all of them, a permutation of the dimensions.
+    std::vector<bool> seen(spec.strides.size(), false);
+    size_t codes = 0;
+    for (int64_t st : spec.strides) {
+      if (st < -1) {
+        size_t k = static_cast<size_t>(-2 - st);
+        if (k >= seen.size() || seen[k]) {
+          fail(at + ": malformed dense strides");
+        }
+        seen[k] = true;
+        ++codes;
+      }
+    }
+    if (codes != 0 && codes != spec.strides.size()) {
+      fail(at + ": malformed dense strides");
     }
     this->specs.emplace_back(pos, spec);
     specs.push_back(std::move(spec));

@@ -13,7 +13,9 @@
 namespace fxrt {
 
 // What each call checks about one tensor input (fxrt/exec/inputs.py, InputSpec): sizes and strides
-// >= 0 must match exactly, -1 is not checked, -2 - k is size symbol k (one value per call).
+// >= 0 must match exactly, -1 is not checked, a size -2 - k is size symbol k (one value per call).
+// Strides -2 - k (all of an input's, or none) say the input must be dense in the order they give,
+// k = 0 the innermost dimension (a symbolic-size input traced contiguous, or permuted).
 struct InputSpec {
   size_t reg;
   at::ScalarType dtype;
@@ -40,7 +42,21 @@ inline bool inputs_match(
     }
     c10::IntArrayRef sizes = t.sizes();
     c10::IntArrayRef strides = t.strides();
-    for (size_t d = 0; d < spec.sizes.size(); ++d) {
+    const size_t rank = spec.sizes.size();
+    if (rank > 0 && spec.strides[0] < -1) {
+      c10::SmallVector<size_t, 8> order(rank, 0);
+      for (size_t d = 0; d < rank; ++d) {
+        order[static_cast<size_t>(-2 - spec.strides[d])] = d;
+      }
+      int64_t expected = 1;
+      for (size_t d : order) {
+        if (sizes[d] != 1 && strides[d] != expected) {
+          return false;
+        }
+        expected *= sizes[d];
+      }
+    }
+    for (size_t d = 0; d < rank; ++d) {
       int64_t want = spec.sizes[d];
       if (want >= 0) {
         if (sizes[d] != want) {

@@ -20,7 +20,8 @@ altered is refused in Python too, not only run differently in C++)::
                PYCALL  node, op (the callable's name), args, kwargs, outputs, multi, reason
                FREE    regs
     guards     inputs: [position, dtype, device, sizes, strides] per checked tensor input (sizes
-               >= 0 exact, -1 any, -2 - k size symbol k; strides >= 0 exact, -1 any);
+               >= 0 exact, -1 any, -2 - k size symbol k; strides >= 0 exact, -1 any, or all
+               -2 - k: dense, dimension k-th from the innermost);
                arena_inputs: [position, shape, dtype]; constants_need_grad
     arena      null, or nbytes, device and slots: [offset, nbytes, shape, stride, dtype]
 

@@ -5,7 +5,10 @@ anything else it would compute a wrong value (a mean over 6 rows applied to 5) o
 an op. So every call checks each tensor input against its :class:`InputSpec`: dtype, device and
 rank always; each static size exactly; each symbolic size that is a bare symbol (``s0``)
 consistently across inputs (one symbol, one value); and each stride whose dimension has a static
-size above 1 (a stride of a size-1 dimension addresses nothing). A mismatch raises
+size above 1 (a stride of a size-1 dimension addresses nothing). A tensor with symbolic sizes
+whose strides say it was dense in some dimension order (contiguous, or a permutation of it:
+:func:`dense_order`) must be dense in that order; its strides are encoded -2 - k, k the
+dimension's place from the innermost. A mismatch raises
 :class:`InputError` naming the input and both signatures. Both loops check the same specs (the
 compiled loop in C++, about 0.1 us an input); ``check_inputs=False`` turns the check off for
 callers that guarantee their inputs.
@@ -34,7 +37,7 @@ class InputSpec:
     name: str
     meta: TensorMeta
     sizes: tuple[int, ...]  # >= 0 exact, ANY, or -2 - k for size symbol k
-    strides: tuple[int, ...]  # >= 0 exact, or ANY
+    strides: tuple[int, ...]  # >= 0 exact, ANY, or -2 - k: dense, k-th from the innermost
     device: torch.device  # meta.device, resolved once rather than per call
 
     def describe(self) -> str:
@@ -61,13 +64,43 @@ def input_specs(graph: Graph) -> tuple[InputSpec, ...]:
                 sizes.append(-2 - symbols.setdefault(s, len(symbols)))
             else:
                 sizes.append(ANY)
-        strides = tuple(
-            st if isinstance(st, int) and isinstance(sz, int) and sz > 1 else ANY
-            for sz, st in zip(v.meta.shape, v.meta.stride)
-        )
+        order = None if v.meta.is_static else dense_order(v.meta)
+        if order is not None:
+            strides = tuple(-2 - order.index(d) for d in range(len(order)))
+        else:
+            strides = tuple(
+                st if isinstance(st, int) and isinstance(sz, int) and sz > 1 else ANY
+                for sz, st in zip(v.meta.shape, v.meta.stride)
+            )
         device = torch.device(v.meta.device)
         specs.append(InputSpec(pos, v.name, v.meta, tuple(sizes), strides, device))
     return tuple(specs)
+
+
+def dense_order(meta: TensorMeta) -> list[int] | None:
+    """The dimensions of a symbolic-size tensor from innermost to outermost, when its strides
+    say it is dense in that order (contiguous, or a permutation of contiguous), else None.
+    Compared symbolically: stride (s1, 1) of shape (s0, s1) is dense in the order [1, 0]."""
+    import sympy
+
+    try:
+        sizes = [sympy.sympify(s) for s in meta.shape]
+        strides = [sympy.sympify(s) for s in meta.stride]
+    except (sympy.SympifyError, TypeError):
+        return None
+    order: list[int] = []
+    expected = sympy.Integer(1)
+    # A dimension of size 1 addresses nothing: its stride says nothing, it goes anywhere.
+    ones = [d for d in range(len(sizes)) if sizes[d] == 1]
+    left = [d for d in range(len(sizes)) if d not in ones]
+    while left:
+        d = next((d for d in left if sympy.expand(strides[d] - expected) == 0), None)
+        if d is None:
+            return None
+        order.append(d)
+        left.remove(d)
+        expected = expected * sizes[d]
+    return order + ones
 
 
 def describe_input(x: Any) -> str:
@@ -113,7 +146,16 @@ def _check(specs: Sequence[InputSpec], inputs: Sequence[Any]) -> None:
                     raise mismatch(spec, x)
             elif want != ANY and bound.setdefault(want, got) != got:
                 raise mismatch(spec, x, "a size symbol bound to two values")
-        for want, got in zip(spec.strides, x.stride()):
+        strides = x.stride()
+        if spec.strides and spec.strides[0] < ANY:  # dense in the order the codes give
+            expected = 1
+            for d in sorted(range(len(spec.strides)), key=lambda d: -spec.strides[d]):
+                size = x.shape[d]
+                if size != 1 and strides[d] != expected:
+                    raise mismatch(spec, x, "not dense in the layout it was compiled for")
+                expected *= size
+            continue
+        for want, got in zip(spec.strides, strides):
             if want >= 0 and got != want:
                 raise mismatch(spec, x)
 
