@@ -56,6 +56,16 @@ def pytest_sessionstart(session) -> None:
         )
 
 
+def pytest_collection_modifyitems(session, config, items) -> None:
+    # Autograd's engine sizes its per-device queues once, at the first backward of the process,
+    # from the devices registered then: load the stand-in before any test runs if one needs it.
+    if any("dev" in getattr(item, "fixturenames", ()) for item in items):
+        import standin
+
+        with contextlib.suppress(standin.Unavailable):
+            standin.load()
+
+
 def native_available() -> bool:
     info = getattr(fxrt, "runtime_info", None)
     return bool(info and info().get("native_available"))
