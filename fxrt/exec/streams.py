@@ -177,11 +177,29 @@ def stream_table(graph: Graph) -> tuple[StreamTable, dict[int, StreamStep]] | No
     return table, steps
 
 
+def node_stream_labels(program) -> dict[int, str]:
+    """Node index -> the label of the side stream its instruction runs on (the caller's stream's
+    nodes are left out), read off the program's STREAM instructions: the profiler's tracks."""
+    if program.streams is None:
+        return {}
+    labels = program.streams.labels
+    out: dict[int, str] = {}
+    current = MAIN
+    for ins in program.code:
+        kind = getattr(ins, "KIND", "")
+        if kind == "STREAM":
+            current = ins.stream
+        elif kind != "FREE" and current != MAIN:
+            out[ins.node] = labels[current]
+    return out
+
+
 __all__ = [
     "StreamStep",
     "StreamTable",
     "free_points",
     "graph_device",
+    "node_stream_labels",
     "shared_values",
     "stream_table",
 ]
