@@ -13,8 +13,9 @@ node on another stream only through a ``record`` (on the producer's stream, afte
 ``wait`` on that event (on the consumer's stream, before it). The check keeps one vector clock
 per stream (how far into every stream it is known to be) and, per alias set (views share their
 base's), the last node that made or wrote it and the nodes that read it since. A node must be
-ordered after the last writer of every set it reads or writes (read after write) and, when it
-writes, after every reader since (write after read). The graph's inputs and constants are ready
+ordered after the node that made each value it reads (its register) and the last writer of every
+set it reads or writes (read after write) and, when it writes, after every reader since (write
+after read). The graph's inputs and constants are ready
 on every stream: each side stream starts after the caller's stream at the call's start.
 
 A missing order is inserted (a ``record`` right after the producer, a ``wait`` right before the
@@ -152,7 +153,8 @@ def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
     seq = [0] * len(nodes)  # a node's position on its stream (1-based)
     after: list[tuple[int, ...]] = [()] * len(nodes)  # its stream's clock once it ran
     event_clock: dict[int, tuple[int, ...]] = {}  # event token value -> clock it marks
-    writer: dict[int, int] = {}  # alias root -> node that made or last wrote it
+    maker: dict[int, int] = {}  # value -> node that made it (the register's writer)
+    writer: dict[int, int] = {}  # alias root -> node that made or last wrote its storage
     readers: dict[int, dict[int, int]] = {}  # alias root -> stream -> last reader since writer
     events = {vid for n in nodes if n.op.name in ops.RECORD for vid in n.outputs}
     b = _Builder(graph)
@@ -177,9 +179,9 @@ def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
             writes = written_values(node)
             missing: list[int] = []
             for v in reads + writes:
-                w = writer.get(root[v])
-                if w is not None and not ordered(s, w) and w not in missing:
-                    missing.append(w)
+                for w in (maker.get(v), writer.get(root[v])):
+                    if w is not None and not ordered(s, w) and w not in missing:
+                        missing.append(w)
             for v in writes:
                 for t, r in readers.get(root[v], {}).items():
                     if t != s and not ordered(s, r) and r not in missing:
@@ -200,6 +202,7 @@ def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
                 writer[root[v]] = i
                 readers[root[v]] = {}
             for v in node.outputs:
+                maker[v] = i
                 if root[v] == v:
                     writer[v] = i
                     readers[v] = {}
