@@ -29,6 +29,7 @@
 
 #include "call_op.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -93,6 +94,7 @@ class Worker {
 
  private:
   void loop() {
+    at::init_num_threads();  // the intra-op thread count torch.set_num_threads() set
     for (;;) {
       std::function<void()> task;
       {

@@ -139,7 +139,7 @@ class _Builder:
         return self.node("scope_exit", ops.scope_exit, (), ValueKind.NONE)
 
 
-def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
+def synchronize_streams(graph: Graph, strict: bool = False, log_inserted: bool = True) -> Graph:
     """Check that every cross-stream use is ordered, insert what is missing (or raise with
     ``strict``), close scopes left open and join the side streams at the end (see the module
     docstring). Edits ``graph`` in place and returns it."""
@@ -187,7 +187,7 @@ def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
                     if t != s and not ordered(s, r) and r not in missing:
                         missing.append(r)
             if missing:
-                _missing(graph, streams, missing, i, strict)
+                _missing(graph, streams, missing, i, strict, log_inserted)
                 evs = []
                 for j in missing:
                     rec = record_after.get(j)
@@ -246,7 +246,9 @@ def synchronize_streams(graph: Graph, strict: bool = False) -> Graph:
     return graph
 
 
-def _missing(graph: Graph, streams: Streams, missing: list[int], i: int, strict: bool) -> None:
+def _missing(
+    graph: Graph, streams: Streams, missing: list[int], i: int, strict: bool, log_inserted: bool
+) -> None:
     node = graph.nodes[i]
     for j in missing:
         what = (
@@ -255,7 +257,11 @@ def _missing(graph: Graph, streams: Streams, missing: list[int], i: int, strict:
         )
         if strict:
             raise StreamError(f"fxrt: strict_streams: {what}")
-        log.info("fxrt: inserted a record/wait: %s", what)
+        log.log(
+            logging.INFO if log_inserted else logging.DEBUG,
+            "fxrt: inserted a record/wait: %s",
+            what,
+        )
 
 
 def _show(streams: Streams, i: int) -> str:
