@@ -100,15 +100,17 @@ class Profile:
         tracks: dict[str | None, int] = {None: 1}
         for e in self.nodes:
             tracks.setdefault(e.stream, len(tracks) + 1)
-        events += [
+        events += [  # names the tracks, when there are several
             {
                 "name": "thread_name",
+                "cat": "fxrt.track",
                 "ph": "M",
                 "pid": os.getpid(),
                 "tid": tid,
                 "args": {"name": "caller's stream" if label is None else f"stream {label}"},
             }
             for label, tid in tracks.items()
+            if len(tracks) > 1
         ]
         events += [
             {
