@@ -36,6 +36,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -126,30 +127,42 @@ struct CallAborted : std::runtime_error {
 // One call's state on the CPU: its events, its outstanding tasks, its first failure.
 class CpuCall {
  public:
-  explicit CpuCall(size_t n_events) : set_(n_events, 0) {}
+  explicit CpuCall(size_t n_events)
+      : set_(std::make_unique<std::atomic<bool>[]>(n_events)) {
+    for (size_t i = 0; i < n_events; ++i) {
+      set_[i].store(false, std::memory_order_relaxed);
+    }
+  }
 
   void record(int64_t event) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      set_[static_cast<size_t>(event)] = 1;
+      set_[static_cast<size_t>(event)].store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
-  // Blocks until every event is set; throws CallAborted when the call failed meanwhile.
+  // Blocks until every event is set; throws CallAborted when the call failed meanwhile. Spins
+  // for a few microseconds first: a branch that ends soon is joined without a sleep and a
+  // wake-up.
   void wait(const std::vector<int64_t>& events) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] {
-      if (failed_) {
-        return true;
-      }
+    auto ready = [&] {
       for (int64_t e : events) {
-        if (!set_[static_cast<size_t>(e)]) {
+        if (!set_[static_cast<size_t>(e)].load(std::memory_order_acquire)) {
           return false;
         }
       }
       return true;
-    });
-    if (failed_) {
+    };
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+    while (!ready() && !failed_.load(std::memory_order_acquire)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return failed_.load() || ready(); });
+        break;
+      }
+      std::this_thread::yield();
+    }
+    if (failed_.load(std::memory_order_acquire)) {
       throw CallAborted();
     }
   }
@@ -157,18 +170,15 @@ class CpuCall {
   void fail(size_t pc, std::exception_ptr error) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!failed_) {
-        failed_ = true;
+      if (!failed_.load()) {
         error_ = std::move(error);
         pc_ = pc;
+        failed_.store(true, std::memory_order_release);
       }
     }
     cv_.notify_all();
   }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return failed_;
-  }
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
   void task_submitted() {
     std::lock_guard<std::mutex> lock(mu_);
     ++pending_;
@@ -186,7 +196,7 @@ class CpuCall {
   }
   // After wait_tasks(): rethrows the first failure, setting `pc` to its instruction.
   void rethrow(size_t& pc) {
-    if (failed_) {
+    if (failed_.load()) {
       pc = pc_;
       std::rethrow_exception(error_);
     }
@@ -199,11 +209,12 @@ class CpuCall {
   const at::ThreadLocalState tls;  // the calling thread's, for the workers
 
  private:
+  static constexpr int kSpinUs = 20;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<char> set_;
+  std::unique_ptr<std::atomic<bool>[]> set_;
   size_t pending_ = 0;
-  bool failed_ = false;
+  std::atomic<bool> failed_{false};
   std::exception_ptr error_;
   size_t pc_ = 0;
 };
