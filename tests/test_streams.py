@@ -418,3 +418,27 @@ def test_artifact_and_cache_round_trip(executor, tmp_path):
     loaded = fxrt.CompiledGraph.load_artifacts(built[0].dump_artifacts(), built[0].config)
     torch.testing.assert_close(loaded(x, y)[0], torchair_example(x, y))
     assert str(loaded.program) == programs[0]
+
+
+def test_forked_child_runs_side_streams(executor):
+    """A child forked after the workers started makes its own (its parent's threads are not
+    there)."""
+    import os
+    import signal
+
+    model = TwoBranches().eval()
+    fn = compiled(model, executor)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        fn(x)  # the workers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when the compiled graph works (and in time)
+        ok = False
+        try:
+            signal.alarm(60)
+            with torch.no_grad():
+                ok = torch.equal(fn(x), model(x))
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

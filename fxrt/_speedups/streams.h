@@ -13,7 +13,8 @@
 // ThreadLocalState, as at::launch does). A failure anywhere marks the call failed: waits return,
 // the remaining instructions are skipped, the calling thread waits for every task of the call to
 // end, then rethrows the first error with its instruction. The calls of one compiled graph that
-// use the workers run one at a time (their tasks would interleave in the FIFOs).
+// use the workers run one at a time (their tasks would interleave in the FIFOs). A forked child
+// makes workers of its own.
 //
 // Devices (CUDA, NPU, PrivateUse1): one thread, as without streams. Each label has a c10::Stream
 // from the device's pool, made once per compiled graph and device index; stream 0 is the
@@ -49,6 +50,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace fxrt {
 
@@ -316,6 +319,13 @@ class StreamSet {
   // The worker of side stream `s`, made on first use.
   Worker& worker(int64_t s) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (owner_ != getpid()) {  // a forked child: its parent's workers are not here
+      for (auto& w : workers_) {
+        (void)w.release();  // their threads are gone: nothing to stop or join
+      }
+      workers_.clear();
+      owner_ = getpid();
+    }
     if (workers_.empty()) {
       workers_.resize(n_streams_);
     }
@@ -349,6 +359,7 @@ class StreamSet {
   std::mutex mu_;
   std::mutex call_mu_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  pid_t owner_ = getpid();  // the process the workers belong to
   std::map<c10::DeviceIndex, std::vector<c10::Stream>> pools_;
 };
 
