@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,30 @@ def measure(
     return {k: statistics.median(v) for k, v in per_call.items()}
 
 
+def machine_parallelism(clock: Callable = time.perf_counter) -> float:
+    """Time two threads take for two loads of matrix products, over the time one thread takes
+    for one: 1.0 on two free cores, 2.0 when only one is free (what the figures should be read
+    against on a shared machine)."""
+    w, x = torch.randn(256, 256), torch.randn(16, 256)
+
+    def work(n: int = 300) -> None:
+        torch.set_num_threads(1)
+        for _ in range(n):
+            torch.mm(x, w)
+
+    work()
+    t0 = clock()
+    work()
+    one = clock() - t0
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    t0 = clock()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (clock() - t0) / one
+
+
 def cases() -> dict[str, tuple[Callable[[bool], nn.Module], tuple]]:
     return {
         "(a) two stacks 16x Linear(256)+GELU, b1": (
@@ -166,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     info = fxrt.runtime_info()
     assert info["executor"] == "cpp", f"the compiled loop is needed: {info['reason']}"
     results: dict[str, dict[str, float]] = {}
-    print(f"clock {args.clock}, {args.rounds} rounds x {args.calls} calls, us per call (median)")
+    par = statistics.median(machine_parallelism() for _ in range(5))
+    print(
+        f"clock {args.clock}, {args.rounds} rounds x {args.calls} calls, us per call (median); "
+        f"two threads doing twice the work take {par:.2f}x one thread's time "
+        "(1.0: two free cores, 2.0: one)"
+    )
     head = f"{'single':>9} {'manual':>9} {'auto':>9} {'man/single':>10} {'auto/single':>11}"
     print(f"{'case':<40} {head}")
     for name, (make, inputs) in cases().items():
@@ -198,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<40} {row['default']:>9.1f} {row['auto']:>9.1f} "
             f"{row['auto'] / row['default']:>12.3f}"
         )
+    results["machine_parallelism"] = {"two_threads_vs_one": par}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
