@@ -442,3 +442,34 @@ def test_forked_child_runs_side_streams(executor):
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+SYNCHRONIZED_IR = """\
+graph(%arg0_1: float32[4, 4], %arg1_1: float32[4, 4]):
+  %scope_enter: other = fxrt::scope_enter(['_user_stream_label'], ['side'])
+  %mm: float32[4, 4] = aten::mm(%arg0_1, %arg1_1)
+  %relu: float32[4, 4] = aten::relu(%mm)
+  %record: float32[0] = fxrt::record()
+  %scope_exit: other = fxrt::scope_exit()
+  %wait: none = fxrt::wait([%record])
+  %sin: float32[4, 4] = aten::sin(%relu)
+  %record_1: float32[0] = fxrt::record()
+  %scope_enter_1: other = fxrt::scope_enter(['_user_stream_label'], ['side'])
+  %wait_1: none = fxrt::wait([%record_1])
+  %mul: float32[4, 4] = aten::mul.Tensor(%sin, 2)
+  %record_2: float32[0] = fxrt::record()
+  %scope_exit_1: other = fxrt::scope_exit()
+  %wait_2: none = fxrt::wait([%record_2])
+  %add: float32[4, 4] = aten::add.Tensor(%mul, %relu)
+  return (%add,)"""
+
+
+def test_synchronize_streams_golden_ir():
+    """Where the verifier puts what it inserts: a record right after the producer, on its
+    stream; a wait right before the consumer, on its stream."""
+    from fxrt.ir import graph_to_text
+
+    fn = compiled(unsynchronized, "python")
+    with recording_compiles() as built:
+        fn(torch.randn(4, 4), torch.randn(4, 4))
+    assert graph_to_text(built[0].graph) == SYNCHRONIZED_IR

@@ -285,6 +285,9 @@ class StreamSet {
   void configure(int64_t n_streams, const std::string& device, int64_t n_events) {
     n_streams_ = static_cast<size_t>(std::max<int64_t>(n_streams, 1));
     device_ = c10::Device(device).type();
+    if (device_ != c10::DeviceType::CPU && !c10::impl::hasDeviceGuardImpl(device_)) {
+      n_streams_ = 1;  // a device without streams: program order, on the caller's thread
+    }
     n_events_ = static_cast<size_t>(std::max<int64_t>(n_events, 0));
   }
   bool multi() const { return n_streams_ > 1; }

@@ -180,8 +180,11 @@ class PythonLoop:
         device = self._device
         stream = None
         if device.type != "cpu":
-            s = torch.accelerator.current_stream(device)
-            stream = (s.device_index, s.stream_id)
+            try:
+                s = torch.accelerator.current_stream(device)
+                stream = (s.device_index, s.stream_id)
+            except (RuntimeError, ValueError):  # a device without streams
+                stream = None
         return torch.is_inference_mode_enabled(), stream
 
     def give_back(self, tensors: list[Any] | None) -> None:
