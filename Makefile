@@ -57,6 +57,7 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/clients.py --clock cpu
 	$(PY) benchmarks/deploy.py --rounds 15 --clock cpu
 	$(PY) benchmarks/streams.py --rounds 15
+	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
 
 clean:
 	rm -rf build dist *.egg-info fxrt/_speedups/*.so fxrt/_speedups/*.cpp

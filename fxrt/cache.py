@@ -54,6 +54,15 @@ _NOT_KEYED = (
     "pure_python",
     "check_inputs",
     "arena_max_idle",
+    # Whole-graph capture happens at call time, on whatever graph the cache gives.
+    "mode",
+    "capture",
+    "capture_warmup",
+    "capture_limit",
+    "clone_input",
+    "clone_output",
+    "use_graph_pool",
+    "force_eager",
 )
 
 

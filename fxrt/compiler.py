@@ -5,6 +5,7 @@ lifetime plan, arena, lowering) to a :class:`CompiledGraph`, the executor of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -21,9 +22,10 @@ from . import cache, profiler
 from .artifact import ArtifactError, TensorRecord, content_hash, decode_tensor, pack, unpack
 from .config import CompilerConfig
 from .dump import Dumper
+from .exec.capture import CaptureReport, CaptureRunner
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
-from .exec.plan import Plan
+from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
 from .exec.streams import node_stream_labels
 from .ir import Graph, from_fx, graph_to_text
@@ -74,11 +76,26 @@ class CompiledGraph:
         self.pass_records: list[PassRecord] = []
         self.stage_records: list[PassRecord] = []
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
+        self._capture: CaptureRunner | None = None
+        if config.capture_enabled:
+            loop_class = type(self._loop)
+            self._capture = CaptureRunner(
+                self.name,
+                graph,
+                self.program,
+                config,
+                self._loop,
+                # Captures allocate their arena in the graph pool and keep none between calls.
+                lambda: loop_class(self.program, arena_max_idle=0),
+                lambda sub, capture: _region_graph(sub, config, capture),
+            )
 
     def __call__(self, *args: Any) -> Any:
         inputs = args[0] if len(args) == 1 and type(args[0]) is list else args
         if (_profiling and profiler.active()) or torch.autograd.profiler._is_profiler_enabled:
             return self._run_instrumented(inputs)
+        if self._capture is not None:
+            return self._capture(inputs)
         return self._loop(inputs)
 
     def _run_instrumented(self, inputs: Any) -> Any:
@@ -100,9 +117,20 @@ class CompiledGraph:
         return out
 
     def release_memory(self) -> None:
-        """Free the arenas this graph keeps between calls (see ``arena_max_idle``); the next
-        call allocates one again."""
+        """Free the arenas this graph keeps between calls (see ``arena_max_idle``) and, with
+        capture on, its device graphs and their pool; the next call allocates (or captures)
+        again."""
         self._loop.release_memory()
+        if self._capture is not None:
+            self._capture.release()
+
+    def capture_report(self) -> CaptureReport:
+        """What whole-graph capture (``mode="reduce-overhead"``) did: per input signature,
+        whether it was captured, its captures and replays, and, for what runs the loop, why
+        (naming the node or input). ``print()`` it."""
+        if self._capture is None:
+            return CaptureReport(self.name, False)
+        return self._capture.report()
 
     def dump_artifacts(self) -> bytes:
         """A self-contained, data-only artifact: the IR, the constants the graph owns, the pass
@@ -302,6 +330,15 @@ def _dump_hit(root: str, gm: torch.fx.GraphModule | None, cg: CompiledGraph, ent
         "by the process that compiled it",
     )
     dump.final(cg.graph, cg.program)
+
+
+def _region_graph(graph: Graph, config: CompilerConfig, capture: bool) -> CompiledGraph:
+    """A region of a graph that capture splits (:mod:`fxrt.exec.capturable`), compiled as a graph
+    of its own: its nodes are the graph's, already through the passes, so only the plan and the
+    program are made. The whole graph's call checked the inputs already."""
+    config = dataclasses.replace(config, capture=capture, check_inputs=False, cache=False)
+    plan = plan_lifetimes(graph)
+    return CompiledGraph(graph, plan, lower_program(graph, plan, config), config)
 
 
 def compile_graph(

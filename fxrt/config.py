@@ -116,9 +116,29 @@ class CompilerConfig:
         max_streams: the most streams ``"auto"`` uses, the caller's included (2).
         strict_streams: a cross-stream use without a record/wait ordering it is an error naming
             both nodes, instead of fxrt inserting the pair (and logging it on ``fxrt.streams``).
-        mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows, and today
-            each one compiles and runs exactly what ``"default"`` does, on every device (the
-            options above are how to change what fxrt does).
+        capture: whole-graph capture (:mod:`fxrt.exec.capture`): on a device with graph
+            support (CUDA graphs, Ascend NPUGraph), each input signature's Program is captured
+            into a device graph after ``capture_warmup`` plain calls and replayed with one host
+            call from then on. Default: on for ``mode="reduce-overhead"``, else off. On the CPU
+            it is accepted and the loop runs.
+        capture_warmup: plain calls of a signature before it is captured (1).
+        capture_limit: the most input signatures a graph captures (64); past it the graph runs
+            the loop from then on (one log line). Also bounds one signature's recaptures.
+        clone_input: copy tensor inputs into static buffers before each replay (on). Parameters,
+            inputs the graph writes (a KV cache) and inputs whose address did not change over
+            the warmup calls are read where they lie instead; if such an input's address
+            changes, the signature is captured again. Off: no input is copied, and every address
+            change recaptures.
+        clone_output: return new tensors from each replay (on). Off: the outputs are the
+            graph pool's memory, overwritten by the next call of any graph that shares the pool
+            (every signature of one compiled graph shares it).
+        use_graph_pool: a pool handle (``torch.cuda.graph_pool_handle()`` or the device's
+            equivalent) that the captures use, to share memory across compiled graphs. Default:
+            one pool per compiled graph.
+        force_eager: with capture on, never capture (run the loop; the report says so).
+        mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows;
+            ``"reduce-overhead"`` turns ``capture`` on, and every other mode compiles and runs
+            exactly what ``"default"`` does.
     """
 
     pure_python: bool = field(default_factory=lambda: env_flag("FXRT_PURE_PYTHON", False))
@@ -140,6 +160,13 @@ class CompilerConfig:
     streams: str = "manual"
     max_streams: int = 2
     strict_streams: bool = False
+    capture: bool | None = None
+    capture_warmup: int = 1
+    capture_limit: int = 64
+    clone_input: bool = True
+    clone_output: bool = True
+    use_graph_pool: Any = None
+    force_eager: bool = False
     mode: str = "default"
     native_kernels: InitVar[bool | None] = None  # deprecated: own_ops
 
@@ -164,6 +191,12 @@ class CompilerConfig:
             )
         if self.max_streams < 1:
             raise ValueError(f"fxrt: max_streams must be at least 1, got {self.max_streams}")
+        if self.capture is not None and not isinstance(self.capture, bool):
+            raise ValueError(f"fxrt: option 'capture' must be a bool or None, got {self.capture!r}")
+        if self.capture_warmup < 0:
+            raise ValueError(f"fxrt: capture_warmup must be >= 0, got {self.capture_warmup}")
+        if self.capture_limit < 1:
+            raise ValueError(f"fxrt: capture_limit must be >= 1, got {self.capture_limit}")
         from .passes import LEVELS, PASSES
 
         if self.opt_level not in LEVELS:
@@ -177,6 +210,11 @@ class CompilerConfig:
                     f"fxrt: unknown pass(es) {unknown or self.passes!r}; "
                     f"valid passes: {', '.join(PASSES)}"
                 )
+
+    @property
+    def capture_enabled(self) -> bool:
+        """Whether whole-graph capture is on (``capture``, else the mode)."""
+        return self.capture if self.capture is not None else self.mode == "reduce-overhead"
 
     def pass_names(self) -> tuple[str, ...]:
         """The built-in passes to run, in order."""

@@ -449,6 +449,49 @@ def test_host_synchronization_invalidates_a_capture(dev, name, forbidden):
         g.replay()
 
 
+def test_multi_stream_capture_forks_and_joins(dev, name):
+    """A side stream that waits for an event of the capture joins it; the replay runs each
+    branch on its own stream (one launch each), ordered by the captured waits, and gives the
+    right answer although side streams lag (the delay knob)."""
+    x = torch.randn(64, device=name)
+    g = dev.Graph()
+    origin, branch = dev.Stream(), dev.Stream()
+    with dev.graph(g, stream=origin):
+        a = x * 2  # on the origin
+        fork = torch.Event(device=name)
+        fork.record(origin)
+        branch.wait_event(fork)  # the branch joins the capture
+        with dev.stream(branch):
+            b = (a + 1).sin()  # reads what the origin wrote before the fork
+        join = torch.Event(device=name)
+        join.record(branch)
+        origin.wait_event(join)
+        c = a * b
+    assert g.num_tasks() >= 5
+    main = dev.current_stream()
+    with dev.delay(3000):
+        for _ in range(3):
+            x.copy_(torch.randn(64))
+            before = dev.launches(main), dev.launches(branch)
+            g.replay()
+            assert (dev.launches(main), dev.launches(branch)) == (before[0] + 1, before[1] + 1)
+            want = x.cpu() * 2 * (x.cpu() * 2 + 1).sin()
+            torch.testing.assert_close(c.cpu(), want)
+
+
+def test_multi_stream_capture_must_join_back(dev, name):
+    x = torch.randn(8, device=name)
+    g = dev.Graph()
+    origin, branch = dev.Stream(), dev.Stream()
+    with pytest.raises(RuntimeError, match="unjoined work"):
+        with dev.graph(g, stream=origin):
+            fork = torch.Event(device=name)
+            fork.record(origin)
+            branch.wait_event(fork)
+            with dev.stream(branch):
+                x.add_(1)  # nobody waits for this before the capture ends
+
+
 def test_capture_needs_a_side_stream(dev, name):
     g = dev.Graph()
     with pytest.raises(RuntimeError, match="default stream"):

@@ -296,7 +296,10 @@ class Graph:
     with other graphs through ``pool``); :meth:`replay` submits them all, in order, as one task
     (one host launch) on the current stream, reading and writing the memory the capture used.
     While capturing, the host may not synchronize with, copy through, or wait for the capturing
-    stream (that invalidates the capture: :meth:`capture_end` raises)."""
+    stream (that invalidates the capture: :meth:`capture_end` raises). Another stream that waits
+    for an event recorded in the capture joins it (fork/join, as on CUDA) and must be joined
+    back (a stream of the capture waits for its last task) before :meth:`capture_end`; a replay
+    then launches once on each stream that took part."""
 
     def __init__(self) -> None:
         self._handle = _C.graph_create()

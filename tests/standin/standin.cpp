@@ -52,7 +52,9 @@
 // capturing stream come from the graph's private pool; the host may not wait for, or copy
 // through, a capturing stream (that invalidates the capture). A task captures only raw pointers
 // and copies of host values, so a replay runs it again on the same memory. Replay submits the
-// recorded tasks as one task: one host launch, counted per stream.
+// recorded tasks as one task: one host launch, counted per stream. A stream that waits for an
+// event recorded in the capture joins it (fork/join, as on CUDA) and must be joined back before
+// the capture ends; a replay then launches once on each stream that took part.
 //
 // Like CUDA, the device cannot be used in a forked child (its worker threads are not there).
 
@@ -165,14 +167,43 @@ struct Stream;
 // come from the graph's private pool; replay() submits the recorded tasks, in order, as one task
 // (one host launch) on the current stream. The tasks hold raw pointers, so every replay reads
 // and writes the memory the capture used.
+//
+// Several streams (fork/join, as CUDA does it): a stream that waits for an event recorded in the
+// capture joins it and records into a branch of its own, whose first step waits for the point
+// the event marks; a wait between two branches is a step too. Every side branch must be joined
+// back (some other branch waits for its last step) before capture_end(), else the capture is
+// invalid ("unjoined work"). replay() submits each branch as one task on the stream that
+// recorded it (the first branch on the current stream); a branch publishes its progress step by
+// step, and a wait step blocks until the other branch has passed the point.
+struct Step {
+  Task task;  // empty for a wait
+  int wait_branch = -1;  // a wait: until that branch has run `wait_steps` steps
+  size_t wait_steps = 0;
+};
+
+struct Branch {
+  Stream* stream;
+  std::vector<Step> steps;
+};
+
 struct Graph {
   DeviceIndex device = 0;
-  Stream* stream = nullptr;  // the capturing stream, while capturing
-  std::shared_ptr<std::vector<Task>> tasks = std::make_shared<std::vector<Task>>();
+  Stream* stream = nullptr;  // the capturing (origin) stream, while capturing
+  std::shared_ptr<std::deque<Branch>> branches = std::make_shared<std::deque<Branch>>();
   uint64_t pool = 0;  // its private memory pool (0: none yet)
   bool capturing = false;
   bool captured = false;
   std::string invalid;  // why the capture was invalidated (empty: it was not)
+
+  size_t num_tasks() const {
+    size_t n = 0;
+    for (const Branch& b : *branches) {
+      for (const Step& s : b.steps) {
+        n += s.task ? 1 : 0;
+      }
+    }
+    return n;
+  }
 };
 
 struct Stream {
@@ -186,6 +217,7 @@ struct Stream {
   std::atomic<uint64_t> completed{0};
   std::atomic<int64_t> delay_us{-1};  // -1: the side-stream delay (0 for a default stream)
   Graph* capture = nullptr;  // guarded by mu: the graph it records into, while capturing
+  int branch = -1;  // guarded by mu: its branch of `capture`
 
   Stream(DeviceIndex d, int i) : device(d), index(i) {}
 
@@ -198,7 +230,7 @@ struct Stream {
         "in the parent); use the 'spawn' start method");
     std::unique_lock<std::mutex> lk(mu);
     if (capture) {
-      capture->tasks->push_back(std::move(t));
+      (*capture->branches)[static_cast<size_t>(branch)].steps.push_back(Step{std::move(t)});
       return 0;
     }
     if (!started) {
@@ -374,6 +406,9 @@ struct Event {
   bool in_capture = false;  // last recorded by a capturing stream (into its graph)
   Stream* stream = nullptr;  // where it was last recorded (null: never, or in a capture)
   uint64_t seq = 0;
+  Graph* graph = nullptr;  // in a capture: the graph, the branch and its step count then
+  int branch = -1;
+  size_t steps = 0;
   std::shared_ptr<std::atomic<int64_t>> time_ns;  // stamped when the marker runs
 };
 
@@ -603,32 +638,60 @@ void capture_begin(Graph& g, uint64_t pool) {
   g.device = s.device;
   g.stream = &s;
   g.pool = pool ? pool : g_next_graph_pool++;
-  g.tasks = std::make_shared<std::vector<Task>>();
+  g.branches = std::make_shared<std::deque<Branch>>();
+  g.branches->push_back(Branch{&s, {}});
   g.invalid.clear();
   pool_use(g.device, g.pool);
   g.capturing = true;
   std::lock_guard<std::mutex> lk(s.mu);
   s.capture = &g;
+  s.branch = 0;
+}
+
+// Every stream recording into `g` stops (mu of each taken in turn).
+void stop_recording(Graph& g) {
+  for (Branch& b : *g.branches) {
+    std::lock_guard<std::mutex> lk(b.stream->mu);
+    if (b.stream->capture == &g) {
+      b.stream->capture = nullptr;
+      b.stream->branch = -1;
+    }
+  }
 }
 
 void graph_reset(Graph& g) {
   if (g.capturing) {
-    std::lock_guard<std::mutex> lk(g.stream->mu);
-    g.stream->capture = nullptr;
+    stop_recording(g);
   }
   if (g.capturing || g.captured) {
     pool_release(g.device, g.pool);
   }
   g.capturing = g.captured = false;
   g.stream = nullptr;
-  g.tasks = std::make_shared<std::vector<Task>>();
+  g.branches = std::make_shared<std::deque<Branch>>();
 }
 
 void capture_end(Graph& g) {
   TORCH_CHECK(g.capturing, "fxrt stand-in: capture_end() without capture_begin()");
-  {
-    std::lock_guard<std::mutex> lk(g.stream->mu);
-    g.stream->capture = nullptr;
+  TORCH_CHECK(
+      current_stream(g.device).index == g.stream->index,
+      "fxrt stand-in: capture_end() on another stream than the one that began the capture");
+  stop_recording(g);
+  const std::deque<Branch>& branches = *g.branches;
+  for (size_t b = 1; b < branches.size() && g.invalid.empty(); ++b) {
+    bool joined = false;
+    for (size_t o = 0; o < branches.size() && !joined; ++o) {
+      for (const Step& st : branches[o].steps) {
+        if (o != b && st.wait_branch == int(b) && st.wait_steps == branches[b].steps.size()) {
+          joined = true;
+          break;
+        }
+      }
+    }
+    if (!joined) {
+      g.invalid = "unjoined work on stream " + std::to_string(branches[b].stream->index) +
+          " (no stream of the capture waits for its last task)";
+    }
   }
   g.capturing = false;
   g.captured = true;
@@ -641,12 +704,31 @@ void capture_end(Graph& g) {
 
 void graph_replay(Graph& g) {
   TORCH_CHECK(g.captured, "fxrt stand-in: replay() of a graph that was not captured");
-  std::shared_ptr<std::vector<Task>> tasks = g.tasks;
-  current_stream(g.device).submit([tasks] {
-    for (auto& t : *tasks) {
-      t();
-    }
-  });
+  std::shared_ptr<std::deque<Branch>> branches = g.branches;
+  auto progress = std::make_shared<std::vector<std::atomic<size_t>>>(branches->size());
+  for (size_t b = 0; b < branches->size(); ++b) {
+    Stream& on = b == 0 ? current_stream(g.device) : *(*branches)[b].stream;
+    on.submit([branches, progress, b] {
+      for (const Step& st : (*branches)[b].steps) {
+        if (st.task) {
+          try {
+            st.task();
+          } catch (const std::exception& e) {  // the other branches must not wait forever
+            set_async_error(e.what());
+          }
+        } else {
+          std::atomic<size_t>& other = (*progress)[static_cast<size_t>(st.wait_branch)];
+          std::unique_lock<std::mutex> lk(g_progress_mu);
+          g_progress_cv.wait(lk, [&] { return other.load() >= st.wait_steps; });
+        }
+        {
+          std::lock_guard<std::mutex> lk(g_progress_mu);
+          (*progress)[b].fetch_add(1);
+        }
+        g_progress_cv.notify_all();
+      }
+    });
+  }
 }
 
 c10::CachingDeviceAllocator::DeviceStats get_stats(DeviceIndex d) {
@@ -1371,18 +1453,41 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     Stream& s = stream_of(stream);
     auto stamp = std::make_shared<std::atomic<int64_t>>(-1);
     e->time_ns = stamp;
-    e->in_capture = s.capturing() != nullptr;
+    Graph* g = nullptr;
+    int branch = -1;
+    {
+      std::lock_guard<std::mutex> lk(s.mu);
+      g = s.capture;
+      branch = s.branch;
+    }
+    e->in_capture = g != nullptr;
     e->stream = e->in_capture ? nullptr : &s;
     e->seq = s.submit([stamp] { stamp->store(now_ns()); });
+    e->graph = g;
+    e->branch = branch;
+    e->steps = g ? (*g->branches)[static_cast<size_t>(branch)].steps.size() : 0;
   }
   void block(void* event, const c10::Stream& stream) const override {
     Event* e = static_cast<Event*>(event);
     Stream& s = stream_of(stream);
-    if (e && e->in_capture) {  // ordered already on the capturing stream itself
+    if (e && e->in_capture) {  // a fork (the stream joins the capture) or a wait inside it
+      Graph* g = e->graph;
+      std::lock_guard<std::mutex> lk(s.mu);
+      if (s.capture == nullptr) {
+        TORCH_CHECK(
+            g->capturing,
+            "fxrt stand-in: waiting for an event recorded in a capture that has ended");
+        TORCH_CHECK(s.device == g->device, "fxrt stand-in: a capture spans one device");
+        g->branches->push_back(Branch{&s, {}});
+        s.capture = g;
+        s.branch = int(g->branches->size()) - 1;
+      }
       TORCH_CHECK(
-          s.capturing(),
-          "fxrt stand-in: waiting on another stream for an event recorded in a capture "
-          "(multi-stream capture) is not supported");
+          s.capture == g, "fxrt stand-in: waiting for an event of another graph's capture");
+      if (s.branch != e->branch) {
+        (*g->branches)[static_cast<size_t>(s.branch)].steps.push_back(
+            Step{Task(), e->branch, e->steps});
+      }
       return;
     }
     if (!e || !e->stream) {
@@ -1688,7 +1793,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("graph_reset", [graph](int64_t h) { translated([&] { graph_reset(*graph(h)); }); });
   m.def("graph_pool", [graph](int64_t h) { return translated([&] { return graph(h)->pool; }); });
   m.def("graph_tasks", [graph](int64_t h) {
-    return translated([&] { return graph(h)->tasks->size(); });
+    return translated([&] { return graph(h)->num_tasks(); });
   });
   m.def("graph_pool_handle", [] { return g_next_graph_pool++; });
   m.def("is_capturing", [](int d, int64_t id) {
