@@ -72,7 +72,6 @@ def test_streams_auto_on_device(dev, executor):
     with torch.no_grad(), dev.delay(3_000):
         for inputs in calls:
             torch.testing.assert_close(compiled(*to_device(inputs)).cpu(), model(*inputs))
-    assert fxrt  # imported for the options' names
 
 
 def test_stream_scope_model_captured(dev, executor):
@@ -90,3 +89,18 @@ def test_stream_scope_model_captured(dev, executor):
             torch.testing.assert_close(compiled(*to_device((x,))).cpu(), model(x))
     report = str(built[0].capture_report())
     assert "captured" in report and "blocked" not in report, report
+
+
+def with_host_tensor(x: torch.Tensor) -> torch.Tensor:
+    with fxrt.stream_scope("side"):
+        a = x.sin() + torch.arange(x.shape[-1]).to(x.device)  # a CPU tensor: not capturable
+    return a * x.cos()
+
+
+def test_multi_stream_graph_that_cannot_be_captured_runs_the_loop(dev, executor):
+    compiled = compiled_on_device(with_host_tensor, executor, capture=True)
+    with recording_compiles() as built:
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(compiled(*to_device((x,))).cpu(), with_host_tensor(x))
+    assert "multi-stream" in str(built[0].capture_report())
