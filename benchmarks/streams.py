@@ -144,9 +144,10 @@ def machine_parallelism(clock: Callable = time.perf_counter) -> float:
     """Time two threads take for two loads of matrix products, over the time one thread takes
     for one: 1.0 on two free cores, 2.0 when only one is free (what the figures should be read
     against on a shared machine)."""
-    w, x = torch.randn(256, 256), torch.randn(16, 256)
+    # Products large enough that the GIL, held between them, is not what limits two threads.
+    w, x = torch.randn(512, 512), torch.randn(64, 512)
 
-    def work(n: int = 300) -> None:
+    def work(n: int = 200) -> None:
         torch.set_num_threads(1)
         for _ in range(n):
             torch.mm(x, w)
