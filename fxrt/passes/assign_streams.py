@@ -17,7 +17,8 @@
    two or more, chains are spread over ``max_streams`` streams, longest first onto the least
    loaded (a side stream first: the caller's stream also hands the others their work).
 4. **Order.** The nodes are reordered (a topological order of the same dependences) so that a
-   group's side-stream chains come before its caller's-stream ones, runs of one side stream are
+   group's side-stream chains come before its caller's-stream ones, and caller's-stream nodes
+   that read a side stream's result after those that do not; runs of one side stream are
    wrapped in ``scope_enter``/``scope_exit`` (labels ``auto1``, ``auto2``...), and
    :func:`~fxrt.passes.streams.synchronize_streams` inserts the records and waits.
 
@@ -190,7 +191,16 @@ def assign_streams(graph: Graph, max_streams: int = 2) -> Graph:
         return graph
 
     # 4. order: side-stream chains of a group first, then wrap runs in scopes
-    key = [(group_start[i], 0, i) if stream_of[i] else (i, 1, i) for i in range(n)]
+    # Caller's-stream nodes that read a side stream's result (a join, the gate's product of an
+    # expert) wait for it: they come after every caller's-stream node that does not, so that the
+    # caller's own branch runs while the side streams run theirs.
+    side_mask = sum(1 << i for i in range(n) if stream_of[i])
+    key = [
+        (group_start[i], 0, i)
+        if stream_of[i]
+        else ((n + i, 1, i) if ancestors[i] & side_mask else (i, 1, i))
+        for i in range(n)
+    ]
     waiting = [len(d) for d in deps]
     followers: list[list[int]] = [[] for _ in range(n)]
     for i, d in enumerate(deps):
