@@ -188,8 +188,14 @@ def synchronize_streams(graph: Graph, strict: bool = False, log_inserted: bool =
                         missing.append(r)
             if missing:
                 _missing(graph, streams, missing, i, strict, log_inserted)
-                evs = []
+                # One event per stream: the record after its latest node covers the earlier ones.
+                latest: dict[int, int] = {}
                 for j in missing:
+                    t = streams.of[j]
+                    if t not in latest or seq[j] > seq[latest[t]]:
+                        latest[t] = j
+                evs = []
+                for j in latest.values():
                     rec = record_after.get(j)
                     if rec is None:
                         rec = record_after[j] = b.record()
