@@ -517,3 +517,35 @@ def test_side_stream_runs_concurrently_with_the_caller():
         torch.testing.assert_close(got, want)
     assert times["off"] > 0.39
     assert times["manual"] < 0.33, times
+
+
+STRESS = """
+import sys, torch, fxrt
+torch.set_num_threads(1)
+
+def f(x):
+    with fxrt.stream_scope("s"):
+        a = x.sin()
+    return a + x.cos()
+
+fn = torch.compile(f, backend="fxrt", options={"cache": False})
+x = torch.randn(1, 64)
+for _ in range(int(sys.argv[1])):
+    out = fn(x)
+torch.testing.assert_close(out, f(x))
+"""
+
+
+def test_many_calls_back_to_back(tmp_path):
+    """Calls that follow each other at once: the caller must not return (and the next call
+    reuse its stack) while a worker still signals the last one. A hang fails after 240 s."""
+    import subprocess
+    import sys
+
+    skip_unless_executor("cpp")
+    script = tmp_path / "stress.py"
+    script.write_text(STRESS)
+    proc = subprocess.run(
+        [sys.executable, str(script), "30000"], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

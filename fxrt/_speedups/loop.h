@@ -487,21 +487,23 @@ class Executor {
         }
         call.task_submitted();
         streams_.worker(seg.stream).submit([this, &call, &regs, arena, seg, timings, ranges] {
-          at::ThreadLocalStateGuard tls(call.tls);
-          GilState worker_gil{GilState::Worker{}};
-          Stack worker_stack;
-          worker_stack.reserve(max_stack_);
-          size_t at = seg.begin;
-          try {
-            for (; at < seg.end; ++at) {
-              run_on_stream<Timed>(
-                  at, regs, worker_stack, worker_gil, arena, call, timings, ranges);
+          {  // everything that refers to the call ends before task_done() lets it return
+            at::ThreadLocalStateGuard tls(call.tls);
+            GilState worker_gil{GilState::Worker{}};
+            Stack worker_stack;
+            worker_stack.reserve(max_stack_);
+            size_t at = seg.begin;
+            try {
+              for (; at < seg.end; ++at) {
+                run_on_stream<Timed>(
+                    at, regs, worker_stack, worker_gil, arena, call, timings, ranges);
+              }
+            } catch (...) {
+              call.fail(at, std::current_exception());
             }
-          } catch (...) {
-            call.fail(at, std::current_exception());
+            worker_stack.clear();
+            worker_gil.release();
           }
-          worker_gil.release();
-          worker_stack.clear();
           call.task_done();
         });
       }

@@ -138,10 +138,8 @@ class CpuCall {
   }
 
   void record(int64_t event) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      set_[static_cast<size_t>(event)].store(true, std::memory_order_release);
-    }
+    std::lock_guard<std::mutex> lock(mu_);
+    set_[static_cast<size_t>(event)].store(true, std::memory_order_release);
     cv_.notify_all();
   }
   // Blocks until every event is set; throws CallAborted when the call failed meanwhile. Spins
@@ -171,13 +169,11 @@ class CpuCall {
   }
   // Keeps the first failure; wakes every waiter.
   void fail(size_t pc, std::exception_ptr error) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!failed_.load()) {
-        error_ = std::move(error);
-        pc_ = pc;
-        failed_.store(true, std::memory_order_release);
-      }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_.load()) {
+      error_ = std::move(error);
+      pc_ = pc;
+      failed_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -186,11 +182,12 @@ class CpuCall {
     std::lock_guard<std::mutex> lock(mu_);
     ++pending_;
   }
+  // Notifies under the lock: once it is released, the calling thread may return and destroy
+  // this object (a notification after the unlock could touch a condition variable already
+  // reused by the next call, and hang it).
   void task_done() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --pending_;
-    }
+    std::lock_guard<std::mutex> lock(mu_);
+    --pending_;
     cv_.notify_all();
   }
   void wait_tasks() {
