@@ -56,6 +56,7 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/inductor.py --rounds 41 --clock cpu --python-loop
 	$(PY) benchmarks/clients.py --clock cpu
 	$(PY) benchmarks/deploy.py --rounds 15 --clock cpu
+	$(PY) benchmarks/streams.py --rounds 15
 	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
 
 clean:

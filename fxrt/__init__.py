@@ -41,6 +41,9 @@ _PUBLIC = {
     "Profile": ".profiler",
     "profile": ".profiler",
     "runtime_info": ".runtime",
+    "stream_scope": ".ops.streams",
+    "record": ".ops.streams",
+    "wait": ".ops.streams",
 }
 
 __all__ = [
@@ -56,14 +59,17 @@ __all__ = [
     "get_compiler",
     "load",
     "profile",
+    "record",
     "get_fused_kernel_payload",
     "load_kernel_library",
     "register_kernel",
     "register_fused_kernel",
     "register_fx_wrapper",
     "runtime_info",
+    "stream_scope",
     "unregister_fx_wrapper",
     "unregister_kernel",
+    "wait",
     "__version__",
 ]
 assert set(__all__) == {*_PUBLIC, "__version__"}
@@ -111,5 +117,6 @@ if TYPE_CHECKING:
         unregister_fx_wrapper,
     )
     from .ops.overrides import load_kernel_library, register_kernel, unregister_kernel
+    from .ops.streams import record, stream_scope, wait
     from .profiler import Profile, profile
     from .runtime import runtime_info

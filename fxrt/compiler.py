@@ -27,6 +27,7 @@ from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
+from .exec.streams import node_stream_labels
 from .ir import Graph, from_fx, graph_to_text
 from .passes import PassRecord
 from .pipeline import compile_stages, lower_program
@@ -108,8 +109,9 @@ class CompiledGraph:
         if prof is not None:
             nodes = self.program.nodes
             prof.calls.append(profiler.CallEvent(self.name, self.executor, t0, t1))
+            streams = node_stream_labels(self.program)
             prof.nodes.extend(
-                profiler.NodeEvent(self.name, nodes[i].name, nodes[i].op, a, b)
+                profiler.NodeEvent(self.name, nodes[i].name, nodes[i].op, a, b, streams.get(i))
                 for i, a, b in timings
             )
         return out

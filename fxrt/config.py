@@ -11,6 +11,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+STREAM_MODES = ("manual", "auto", "off")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -107,6 +108,14 @@ class CompilerConfig:
             or written gives one warning, and graphs are compiled without the cache.
         cache_max_bytes: the most bytes the cache directory may hold; least-recently-used
             entries are evicted past it. Default from ``FXRT_CACHE_MAX_BYTES`` (1 GiB).
+        streams: ``"manual"`` (default): the graph's own stream scopes (``fxrt.stream_scope``,
+            ``fxrt::scope_enter``/``air::scope_enter`` from a user pass) run on their streams;
+            ``"auto"``: also put independent branches on streams of their own where a cost
+            estimate says they pay for the hand-off (:mod:`fxrt.passes.assign_streams`);
+            ``"off"``: every op runs on the caller's stream (the stream ops are removed).
+        max_streams: the most streams ``"auto"`` uses, the caller's included (2).
+        strict_streams: a cross-stream use without a record/wait ordering it is an error naming
+            both nodes, instead of fxrt inserting the pair (and logging it on ``fxrt.streams``).
         capture: whole-graph capture (:mod:`fxrt.exec.capture`): on a device with graph
             support (CUDA graphs, Ascend NPUGraph), each input signature's Program is captured
             into a device graph after ``capture_warmup`` plain calls and replayed with one host
@@ -148,6 +157,9 @@ class CompilerConfig:
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
     cache_max_bytes: int = field(default_factory=lambda: env_int("FXRT_CACHE_MAX_BYTES", 1 << 30))
+    streams: str = "manual"
+    max_streams: int = 2
+    strict_streams: bool = False
     capture: bool | None = None
     capture_warmup: int = 1
     capture_limit: int = 64
@@ -172,6 +184,13 @@ class CompilerConfig:
                 raise ValueError(f"fxrt: option {f.name!r} must be an int, got {v!r}")
             if f.name.endswith("_pass") and v is not None and not callable(v):
                 raise ValueError(f"fxrt: option {f.name!r} must be callable, got {v!r}")
+        if self.streams not in STREAM_MODES:
+            raise ValueError(
+                f"fxrt: option 'streams' must be one of {', '.join(STREAM_MODES)}, "
+                f"got {self.streams!r}"
+            )
+        if self.max_streams < 1:
+            raise ValueError(f"fxrt: max_streams must be at least 1, got {self.max_streams}")
         if self.capture is not None and not isinstance(self.capture, bool):
             raise ValueError(f"fxrt: option 'capture' must be a bool or None, got {self.capture!r}")
         if self.capture_warmup < 0:

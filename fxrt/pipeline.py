@@ -9,6 +9,8 @@
     <config.pass_names()>          IR -> IR            the built-in passes, one stage each
     [post_grad_custom_post_pass]   IR -> FX -> IR      the user's post pass, on FX
     [use_own_ops]                  IR -> IR            fxrt's own CPU ops (fxrt.ops.own_ops)
+    [assign_streams]               IR -> IR            streams="auto" (fxrt.passes.assign_streams)
+    synchronize_streams            IR -> IR            record/wait, joins (fxrt.passes.streams)
     plan_lifetimes                 IR -> Plan          last uses, FREEs (fxrt.exec.plan)
     [plan_arena]                   IR, Plan -> arena   inline views, slots (fxrt.exec.arena)
     lower                          ... -> Program      fxrt.exec.program
@@ -18,7 +20,8 @@ conversion, and the conversion runs once, on what the pass left (a graph convert
 the cache key, is dropped). Overrides come right after the conversion, so that the passes see the
 ops that will run. The FX round trip happens only around the user's post pass, which needs FX.
 fxrt's own ops come last among the rewrites: user passes see ATen ops, and a node a user
-overrode no longer has the ATen op the rewrite looks for, so the user's override wins.
+overrode no longer has the ATen op the rewrite looks for, so the user's override wins. Streams
+are ordered last, on the graph that will run: a rewrite may move a use to another stream.
 
 The manager, :func:`run_stage`, does the same for every stage:
 
@@ -66,6 +69,8 @@ from .ir.to_fx import to_fx
 from .ops.overrides import apply_kernel_overrides
 from .ops.own_ops import use_own_ops
 from .passes import DEFAULT_MAX_BYTES, PASSES, PassError, PassRecord, fold_constants
+from .passes.assign_streams import assign_streams
+from .passes.streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
 
 
@@ -146,6 +151,17 @@ def _use_own_ops(c: Compilation) -> None:
     c.graph = use_own_ops(c.graph)
 
 
+def _assign_streams(c: Compilation) -> None:
+    c.graph = assign_streams(c.graph, c.config.max_streams)
+
+
+def _synchronize_streams(c: Compilation) -> None:
+    if c.config.streams == "off":
+        c.graph = remove_streams(c.graph)
+    else:
+        c.graph = synchronize_streams(c.graph, strict=c.config.strict_streams)
+
+
 def _plan_lifetimes(c: Compilation) -> None:
     c.plan = plan_lifetimes(c.graph)
 
@@ -208,6 +224,8 @@ PIPELINE: tuple[Stage, ...] = (
         dump_name="after_post_pass_fx.txt",
     ),
     Stage("use_own_ops", "graph", _use_own_ops, when=lambda config: config.own_ops),
+    Stage("assign_streams", "graph", _assign_streams, when=lambda config: config.streams == "auto"),
+    Stage("synchronize_streams", "graph", _synchronize_streams),
     Stage("plan_lifetimes", "plan", _plan_lifetimes, dumps="plan"),
     Stage("plan_arena", "arena", _plan_arena, when=lambda config: config.arena, dumps="arena"),
     Stage("lower", "program", _lower, dumps="program"),

@@ -28,6 +28,7 @@ class NodeEvent:
     op: str
     start_ns: int
     end_ns: int
+    stream: str | None = None  # the label of the stream it ran on; None: the caller's
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,22 @@ class Profile:
             }
             for c in self.calls
         ]
+        # One track per stream: tid 1 the caller's, then one per label in order of appearance.
+        tracks: dict[str | None, int] = {None: 1}
+        for e in self.nodes:
+            tracks.setdefault(e.stream, len(tracks) + 1)
+        events += [  # names the tracks, when there are several
+            {
+                "name": "thread_name",
+                "cat": "fxrt.track",
+                "ph": "M",
+                "pid": os.getpid(),
+                "tid": tid,
+                "args": {"name": "caller's stream" if label is None else f"stream {label}"},
+            }
+            for label, tid in tracks.items()
+            if len(tracks) > 1
+        ]
         events += [
             {
                 "name": e.node,
@@ -103,8 +120,8 @@ class Profile:
                 "ts": (e.start_ns - t0) / 1e3,
                 "dur": (e.end_ns - e.start_ns) / 1e3,
                 "pid": os.getpid(),
-                "tid": 1,
-                "args": {"op": e.op, "graph": e.graph},
+                "tid": tracks[e.stream],
+                "args": {"op": e.op, "graph": e.graph, "stream": e.stream},
             }
             for e in self.nodes
         ]

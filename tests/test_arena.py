@@ -110,9 +110,9 @@ def test_many_calls_reuse_the_arena_and_never_touch_earlier_results():
         torch.testing.assert_close(results, expected)
     py = loops(cg.program)[0]
     py([x, w])
-    first = py._pools[False][0]
+    first = py._pools[(False, None)][0]
     py([x, w])
-    assert py._pools[False] == [first]  # the same arena, back in the pool
+    assert py._pools[(False, None)] == [first]  # the same arena, back in the pool
 
 
 def test_views_of_slots_use_absolute_storage_offsets():

@@ -352,3 +352,31 @@ def test_inspect_says_cpp_runnable(w_packages) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "C++ runtime: yes" in proc.stdout
+
+
+class _TwoStreams(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fxrt.stream_scope("side"):
+            y = self.a(x).relu()
+        return y + self.b(x)
+
+
+def test_multi_stream_package_runs_in_python_and_is_refused_in_cpp(runner: Any, tmp_path: Path):
+    """A package whose program switches streams: fxrt.load runs it (equal to eager on both
+    loops); inspect and the C++ runtime say it switches streams, naming the node."""
+    torch.manual_seed(0)
+    model = _TwoStreams().eval()
+    pkg = fxrt.export(model, (torch.randn(2, 16),))
+    assert "switches streams" in pkg.manifest["info"]["cpp"]
+    pkg.save(tmp_path / "streams.fxrt")
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        for pure in (False, True):
+            torch.testing.assert_close(_loaded(tmp_path / "streams.fxrt", pure)(x), model(x))
+    proc = runner(str(tmp_path / "streams.fxrt"), "--random")
+    assert proc.returncode == 2, proc.stderr
+    assert "switches streams" in proc.stderr, proc.stderr

@@ -273,16 +273,6 @@ def test_runs_on_the_current_stream(dev, executor):
     torch.testing.assert_close(got.cpu(), _chain(x, w))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "fxrt bug: a graph's arena is reused from call to call whatever the current stream; "
-        "a call on the default stream writes the arena while the previous call's work on a "
-        "side stream still reads it (PythonLoop.take_arena/give_back and the compiled loop "
-        "must key their arena pools by the current stream, or make the next call wait for "
-        "the last one's stream)"
-    ),
-)
 def test_calls_on_two_streams_in_turn(dev, executor):
     """Eager semantics: each call's fresh memory belongs to the stream it runs on, so calls on
     two streams, with no synchronization between them, never share memory. Both streams lag

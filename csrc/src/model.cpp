@@ -263,6 +263,16 @@ void Model::Impl::check_ops(const Value& table, const Value& producer) {
       fail("ops: malformed entry " + clip(name));
     }
     auto handle = c10::Dispatcher::singleton().findSchema(op_name(name));
+    for (const char* op : {"::scope_enter", "::scope_exit", "::record", "::wait"}) {
+      if (!handle.has_value() && name.size() > std::strlen(op) &&
+          name.compare(name.size() - std::strlen(op), std::string::npos, op) == 0 &&
+          (name.rfind("fxrt::", 0) == 0 || name.rfind("air::", 0) == 0)) {
+        throw PackageError(
+            "fxrt package: op " + clip(name, 200) +
+            " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
+            "this package)");
+      }
+    }
     if (!handle.has_value()) {
       throw PackageError(
           "fxrt package: op " + clip(name, 200) + " is not registered in this process (made by "
@@ -499,6 +509,12 @@ void Model::Impl::load_program(
                            static_cast<int64_t>(nodes.a.size()) - 1);
     const std::string& node_name = nodes.a[static_cast<size_t>(node)].s;
     at += " (node " + clip(node_name) + ")";
+    if (kind == "STREAM" || kind == "RECORD" || kind == "WAIT") {
+      throw PackageError(
+          "fxrt package: node " + clip(node_name) +
+          " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
+          "this package)");
+    }
     std::vector<int64_t> outputs = ints(array(ins, "outputs", at), at + ": outputs", 0, n_regs - 1);
     if (outputs.empty()) {
       fail(at + ": no outputs");
@@ -652,7 +668,7 @@ void Model::Impl::load_program(
           }
           return made;
         },
-        2);
+        2, arena_device.type());
   }
 
   // The output: a tuple of registers (and constants), one per signature output.

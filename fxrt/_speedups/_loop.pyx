@@ -55,7 +55,13 @@ cdef extern from "py_executor.h":
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
-        void set_arena(object factory, int64_t max_idle) except +set_python_error
+        void add_stream(int64_t stream) except +set_python_error
+        void add_record(int64_t stream, int64_t event) except +set_python_error
+        void add_wait(
+            int64_t stream, const vector[int64_t]& events, const vector[int64_t]& protect
+        ) except +set_python_error
+        void set_streams(int64_t n_streams, const string& device, int64_t n_events) except +set_python_error
+        void set_arena(object factory, int64_t max_idle, const string& device) except +set_python_error
         void set_guards(
             object specs, object on_mismatch, object arena_inputs, cbool constants_need_grad
         ) except +set_python_error
@@ -156,10 +162,29 @@ cdef class Executor:
         """PYCALL ``fn(*args, **kwargs)``."""
         self._impl().add_pycall(fn, args, kwargs, outputs, multi)
 
-    def set_arena(self, factory, int64_t max_idle=2):
-        """Use an arena: ``factory()`` makes one (a list of tensors, one per slot); at most
-        ``max_idle`` arenas per inference mode are kept between calls."""
-        self._impl().set_arena(factory, max_idle)
+    def add_stream(self, int64_t stream):
+        """STREAM: what follows runs on stream ``stream``."""
+        self._impl().add_stream(stream)
+
+    def add_record(self, int64_t stream, int64_t event):
+        """RECORD event ``event`` on stream ``stream``."""
+        self._impl().add_record(stream, event)
+
+    def add_wait(self, int64_t stream, events, protect):
+        """WAIT on stream ``stream`` for ``events``; ``protect``: registers whose memory the
+        stream uses from then on (a device's record_stream)."""
+        self._impl().add_wait(stream, events, protect)
+
+    def set_streams(self, int64_t n_streams, str device, int64_t n_events):
+        """A multi-stream program (after every instruction was added): ``n_streams`` streams on
+        device type ``device`` (``"cpu"``: worker threads), ``n_events`` events per call."""
+        self._impl().set_streams(n_streams, device.encode(), n_events)
+
+    def set_arena(self, factory, int64_t max_idle=2, str device="cpu"):
+        """Use an arena on ``device``: ``factory()`` makes one (a list of tensors, one per
+        slot); at most ``max_idle`` arenas per inference mode and current stream are kept
+        between calls."""
+        self._impl().set_arena(factory, max_idle, device.encode())
 
     def set_guards(self, list specs, on_mismatch, list arena_inputs, cbool constants_need_grad):
         """The Program's per-call guards (fxrt.exec.guards): input ``specs`` as ``(position,

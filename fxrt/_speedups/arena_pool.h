@@ -6,8 +6,10 @@
 #include "call_op.h"
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace fxrt {
@@ -19,13 +21,15 @@ struct ArenaInput {
   at::ScalarType dtype;
 };
 
-// Arenas not in use, one pool per inference mode: an arena made in inference mode holds
-// inference tensors, which normal mode may not write.
+// Arenas not in use, one pool per inference mode (an arena made in inference mode holds
+// inference tensors, which normal mode may not write) and current stream of the arena's device
+// (`stream`, a key: a call's work on one stream may still read its arena when a call on another
+// stream starts).
 class ArenaPool {
  public:
-  std::unique_ptr<Arena> take(bool inference) {
+  std::unique_ptr<Arena> take(bool inference, int64_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& pool = pools_[inference];
+    auto& pool = pools_[{inference, stream}];
     if (pool.empty()) {
       return nullptr;
     }
@@ -34,29 +38,33 @@ class ArenaPool {
     return arena;
   }
   // Keeps at most `max_idle` arenas per pool; one more is freed (on return, outside the lock).
-  void give_back(std::unique_ptr<Arena> arena, bool inference) {
+  void give_back(std::unique_ptr<Arena> arena, bool inference, int64_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pools_[inference].size() < max_idle_) {
-      pools_[inference].push_back(std::move(arena));
+    auto& pool = pools_[{inference, stream}];
+    if (pool.size() < max_idle_) {
+      pool.push_back(std::move(arena));
     }
   }
   void set_max_idle(size_t n) { max_idle_ = n; }
   size_t idle() {
     std::lock_guard<std::mutex> lock(mu_);
-    return pools_[0].size() + pools_[1].size();
+    size_t n = 0;
+    for (const auto& [key, pool] : pools_) {
+      n += pool.size();
+    }
+    return n;
   }
   // Frees every idle arena (CompiledGraph.release_memory()).
   void clear() {
-    std::vector<std::unique_ptr<Arena>> dropped[2];
+    std::map<std::pair<bool, int64_t>, std::vector<std::unique_ptr<Arena>>> dropped;
     std::lock_guard<std::mutex> lock(mu_);
-    dropped[0].swap(pools_[0]);
-    dropped[1].swap(pools_[1]);
+    dropped.swap(pools_);
   }
 
  private:
   std::mutex mu_;
   size_t max_idle_ = 2;
-  std::vector<std::unique_ptr<Arena>> pools_[2];
+  std::map<std::pair<bool, int64_t>, std::vector<std::unique_ptr<Arena>>> pools_;
 };
 
 }  // namespace fxrt

@@ -36,6 +36,8 @@ using Arena = std::vector<at::Tensor>;
 class GilState {  // no interpreter, no lock
  public:
   explicit GilState(bool) {}
+  struct Worker {};
+  explicit GilState(Worker) {}
   GilState(const GilState&) = delete;
   GilState& operator=(const GilState&) = delete;
   void release() {}
@@ -43,20 +45,40 @@ class GilState {  // no interpreter, no lock
 };
 #else
 // The GIL, released while native instructions run (when enabled) and taken back on demand.
+// On a thread that does not hold it (a stream worker, streams.h), the GIL starts released, is
+// taken with PyGILState_Ensure and given back on release and at the end.
 class GilState {
  public:
   explicit GilState(bool may_release) : may_release_(may_release) {}
+  struct Worker {};
+  explicit GilState(Worker) : may_release_(true), worker_(true) {}
   GilState(const GilState&) = delete;
   GilState& operator=(const GilState&) = delete;
-  ~GilState() { acquire(); }
+  ~GilState() {
+    if (worker_) {
+      release();
+    } else {
+      acquire();
+    }
+  }
 
   void release() {
-    if (may_release_ && saved_ == nullptr) {
+    if (worker_) {
+      if (worker_holds_) {
+        PyGILState_Release(worker_state_);
+        worker_holds_ = false;
+      }
+    } else if (may_release_ && saved_ == nullptr) {
       saved_ = PyEval_SaveThread();
     }
   }
   void acquire() {
-    if (saved_ != nullptr) {
+    if (worker_) {
+      if (!worker_holds_) {
+        worker_state_ = PyGILState_Ensure();
+        worker_holds_ = true;
+      }
+    } else if (saved_ != nullptr) {
       PyEval_RestoreThread(saved_);
       saved_ = nullptr;
     }
@@ -65,6 +87,9 @@ class GilState {
  private:
   bool may_release_;
   PyThreadState* saved_ = nullptr;
+  bool worker_ = false;
+  bool worker_holds_ = false;
+  PyGILState_STATE worker_state_{};
 };
 #endif
 

@@ -27,7 +27,7 @@
 // autograd could record it (grad mode on and an input or constant requires grad), a
 // TorchDispatchMode is active (it must see the graph's own ops), new memory must be filled, or an
 // input's size or dtype differs from what the arena was planned for. It then takes an arena from
-// the pool of its inference mode, or has the factory make one, and puts it back after a
+// the pool of its inference mode and current stream, or has the factory make one, and puts it back after a
 // successful run; a failed run drops it (the error may still hold views of it).
 
 #pragma once
@@ -36,6 +36,7 @@
 #include "call.h"
 #include "inline_ops.h"
 #include "inputs.h"
+#include "streams.h"
 #include "sym.h"
 
 #include <ATen/record_function.h>
@@ -57,9 +58,11 @@ namespace fxrt {
 using Registers = std::vector<IValue>;
 
 struct Instr {
-  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE };
+  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE, STREAM, RECORD, WAIT };
   Kind kind;
-  size_t index;  // into calls_, outs_, allocs_, views_, syms_ or frees_; the pc for PYCALL
+  // into calls_, outs_, allocs_, views_, syms_, frees_, stream_ops_, records_ or waits_; the pc
+  // for PYCALL
+  size_t index;
 };
 
 // Filled by run() when an instruction fails: what the caller needs to name the failing node.
@@ -121,12 +124,42 @@ class Executor {
   }
   void add_python_op() { code_.push_back({Instr::PYCALL, code_.size()}); }
 
+  // STREAM, RECORD and WAIT (streams.h); set_streams() once they are all added.
+  void add_stream(int64_t stream) {
+    code_.push_back({Instr::STREAM, stream_ops_.size()});
+    stream_ops_.push_back({stream});
+  }
+  void add_record(int64_t stream, int64_t event) {
+    code_.push_back({Instr::RECORD, records_.size()});
+    records_.push_back({stream, event});
+  }
+  void add_wait(
+      int64_t stream,
+      const std::vector<int64_t>& events,
+      const std::vector<int64_t>& protect) {
+    code_.push_back({Instr::WAIT, waits_.size()});
+    waits_.push_back({stream, events, protect});
+  }
+  // A multi-stream program: `n_streams` streams (the caller's included) on device type
+  // `device` ("cpu": worker threads), `n_events` events per call.
+  void set_streams(int64_t n_streams, const std::string& device, int64_t n_events) {
+    streams_.configure(n_streams, device, n_events);
+    streams_.cut(code_.size(), [this](size_t pc) -> int64_t {
+      return code_[pc].kind == Instr::STREAM ? stream_ops_[code_[pc].index].stream : -1;
+    });
+  }
+
   size_t size() const { return code_.size(); }
 
   // The arena: `factory()` makes one (one tensor per slot; called with the GIL held in the
-  // Python build); at most `max_idle` arenas per inference mode are kept between calls.
-  void set_arena_factory(std::function<std::unique_ptr<Arena>()> factory, int64_t max_idle) {
+  // Python build) on `device`; at most `max_idle` arenas per inference mode and current stream
+  // of that device are kept between calls.
+  void set_arena_factory(
+      std::function<std::unique_ptr<Arena>()> factory,
+      int64_t max_idle,
+      c10::DeviceType device = c10::DeviceType::CPU) {
     arena_factory_ = std::move(factory);
+    arena_device_ = device;
     pool_.set_max_idle(static_cast<size_t>(std::max<int64_t>(max_idle, 0)));
   }
 
@@ -177,16 +210,29 @@ class Executor {
       std::vector<int64_t>* timings,
       bool ranges) const {
     bool inference = c10::InferenceMode::is_enabled();
-    std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference);
+    int64_t stream = arena_stream();
+    std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference, stream);
     Stack stack;
     stack.reserve(max_stack_);
+    std::optional<DeviceCall> device_call;  // a multi-stream call on a device (streams.h)
+    DeviceCall* dev = nullptr;
     size_t pc = 0;
     try {
+      if (!Python && streams_.multi()) {
+        if (streams_.on_cpu()) {
+          run_cpu_streams<Timed>(regs, arena.get(), forms, timings, ranges, pc);
+          pc = code_.size();
+        } else {
+          device_call.emplace(
+              streams_.device_type(), streams_.side_streams(), streams_.n_events());
+          dev = &*device_call;
+        }
+      }
       for (; pc < code_.size(); ++pc) {
         const Instr& ins = code_[pc];
         if constexpr (Timed) {
           if (ins.kind == Instr::FREE) {
-            step<Python>(pc, regs, stack, gil, nullptr, forms);
+            step<Python>(pc, regs, stack, gil, nullptr, forms, dev);
             continue;
           }
           std::optional<at::RecordFunction> range;
@@ -197,11 +243,13 @@ class Executor {
             }
           }
           int64_t t0 = now_ns();
-          step<Python>(pc, regs, stack, gil, arena.get(), forms);
+          step<Python>(pc, regs, stack, gil, arena.get(), forms, dev);
           int64_t t1 = now_ns();
-          timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
+          if (ins.kind < Instr::STREAM) {
+            timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
+          }
         } else {
-          step<Python>(pc, regs, stack, gil, arena.get(), forms);
+          step<Python>(pc, regs, stack, gil, arena.get(), forms, dev);
         }
       }
     } catch (...) {
@@ -212,8 +260,9 @@ class Executor {
       throw;
     }
     gil.acquire();
+    device_call.reset();  // the caller's stream is current again
     if (arena != nullptr) {
-      pool_.give_back(std::move(arena), inference);
+      pool_.give_back(std::move(arena), inference, stream);
     }
   }
 
@@ -228,8 +277,121 @@ class Executor {
     max_stack_ = std::max({max_stack_, call.args.size(), call.n_returns});
   }
 
+  // The key of the arena pool for calls on the current stream of the arena's device.
+  int64_t arena_stream() const {
+    if (arena_device_ == c10::DeviceType::CPU || !arena_factory_) {
+      return 0;
+    }
+    c10::impl::VirtualGuardImpl impl(arena_device_);
+    c10::Stream s = impl.getStream(impl.getDevice());
+    return s.id() * 64 + s.device_index();
+  }
+
+  // A multi-stream program on the CPU (streams.h): the caller's segments here, the others on
+  // their workers. Sets `pc` to the failing instruction when it throws.
+  template <bool Timed, class Forms>
+  void run_cpu_streams(
+      Registers& regs,
+      const Arena* arena,
+      const Forms& forms,
+      std::vector<int64_t>* timings,
+      bool ranges,
+      size_t& pc) const {
+    GilState gil(true);  // released whenever this thread blocks: a worker may need it
+    gil.release();
+    std::lock_guard<std::mutex> one_at_a_time(streams_.call_mutex());
+    CpuCall call(streams_.n_events());
+    Stack stack;
+    stack.reserve(max_stack_);
+    try {
+      for (const Segment& seg : streams_.segments()) {
+        if (seg.stream == 0) {
+          for (pc = seg.begin; pc < seg.end; ++pc) {
+            run_on_stream<Timed>(pc, regs, stack, gil, arena, forms, call, timings, ranges);
+          }
+          continue;
+        }
+        call.task_submitted();
+        streams_.worker(seg.stream).submit(
+            [this, &call, &regs, &forms, arena, seg, timings, ranges] {
+              {  // everything that refers to the call ends before task_done() lets it return
+                at::ThreadLocalStateGuard tls(call.tls);
+                GilState worker_gil{GilState::Worker{}};
+                Stack worker_stack;
+                worker_stack.reserve(max_stack_);
+                size_t at = seg.begin;
+                try {
+                  for (; at < seg.end; ++at) {
+                    run_on_stream<Timed>(
+                        at, regs, worker_stack, worker_gil, arena, forms, call, timings, ranges);
+                  }
+                } catch (...) {
+                  call.fail(at, std::current_exception());
+                }
+                worker_stack.clear();
+                worker_gil.release();
+              }
+              call.task_done();
+            });
+      }
+    } catch (...) {
+      call.fail(pc, std::current_exception());
+    }
+    gil.release();
+    call.wait_tasks();
+    gil.acquire();
+    call.rethrow(pc);
+  }
+
+  // One instruction of a multi-stream CPU call, on whichever thread runs its stream.
+  template <bool Timed, class Forms>
+  void run_on_stream(
+      size_t pc,
+      Registers& regs,
+      Stack& stack,
+      GilState& gil,
+      const Arena* arena,
+      const Forms& forms,
+      CpuCall& call,
+      std::vector<int64_t>* timings,
+      bool ranges) const {
+    const Instr& ins = code_[pc];
+    switch (ins.kind) {
+      case Instr::STREAM:
+        return;
+      case Instr::RECORD:
+        call.record(records_[ins.index].event);
+        return;
+      case Instr::WAIT:
+        gil.release();
+        call.wait(waits_[ins.index].events);
+        return;
+      default:
+        break;
+    }
+    if (call.failed()) {
+      throw CallAborted();
+    }
+    if constexpr (Timed) {
+      if (ins.kind != Instr::FREE) {
+        std::optional<at::RecordFunction> range;
+        if (ranges && pc < names_.size()) {
+          range.emplace(at::RecordScope::USER_SCOPE);
+          if (range->isActive()) {
+            range->before(std::string_view(names_[pc]), c10::ArrayRef<const IValue>{});
+          }
+        }
+        int64_t t0 = now_ns();
+        step<false>(pc, regs, stack, gil, arena, forms, nullptr);
+        call.add_timing(timings, static_cast<int64_t>(pc), t0, now_ns());
+        return;
+      }
+    }
+    step<false>(pc, regs, stack, gil, arena, forms, nullptr);
+  }
+
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
-  std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference) const {
+  std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference, int64_t stream) const {
     if (!arena_factory_ || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
         fills_uninitialized_memory()) {
       return nullptr;  // a dispatch mode must see the graph's own ops; new memory is filled
@@ -252,13 +414,15 @@ class Executor {
         return nullptr;
       }
     }
-    std::unique_ptr<Arena> arena = pool_.take(inference);
+    std::unique_ptr<Arena> arena = pool_.take(inference, stream);
     if (arena != nullptr) {
       return arena;
     }
     return arena_factory_();
   }
 
+  // `dev`: a multi-stream call on a device (STREAM, RECORD and WAIT act on its streams); without
+  // it they do nothing: program order is a valid schedule.
   template <bool Python, class Forms>
   void step(
       size_t pc,
@@ -266,11 +430,24 @@ class Executor {
       Stack& stack,
       GilState& gil,
       const Arena* arena,
-      const Forms& forms) const {
+      const Forms& forms,
+      DeviceCall* dev) const {
     const Instr& ins = code_[pc];
     if (ins.kind == Instr::FREE) {
       for (int64_t r : frees_[ins.index]) {
         regs[static_cast<size_t>(r)] = IValue();
+      }
+      return;
+    }
+    if (ins.kind >= Instr::STREAM) {
+      if (dev != nullptr) {
+        if (ins.kind == Instr::STREAM) {
+          dev->switch_to(stream_ops_[ins.index].stream);
+        } else if (ins.kind == Instr::RECORD) {
+          dev->record(records_[ins.index]);
+        } else {
+          dev->wait(waits_[ins.index], regs);
+        }
       }
       return;
     }
@@ -325,6 +502,9 @@ class Executor {
         forms.run(pc, regs, gil);
         return;
       case Instr::FREE:
+      case Instr::STREAM:
+      case Instr::RECORD:
+      case Instr::WAIT:
         return;
     }
   }
@@ -338,9 +518,14 @@ class Executor {
   std::vector<ViewOp> views_;
   std::vector<SymOp> syms_;
   std::vector<std::vector<int64_t>> frees_;
+  std::vector<StreamOp> stream_ops_;
+  std::vector<RecordOp> records_;
+  std::vector<WaitOp> waits_;
+  mutable StreamSet streams_;
   std::vector<std::string> names_;
   size_t max_stack_ = 0;
   std::function<std::unique_ptr<Arena>()> arena_factory_;
+  c10::DeviceType arena_device_ = c10::DeviceType::CPU;
   std::vector<InputSpec> input_specs_;
   size_t n_symbols_ = 0;
   std::vector<ArenaInput> arena_inputs_;

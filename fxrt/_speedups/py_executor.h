@@ -174,9 +174,28 @@ class PyExecutor : public Executor {
     add_python_op();
   }
 
-  // The arena: `factory()` makes one (a list of tensors, one per slot); at most `max_idle`
-  // arenas per inference mode are kept between calls.
-  void set_arena(PyObject* factory, int64_t max_idle) {
+  // STREAM, RECORD and WAIT (loop.h, streams.h): no Python form (a call through Python runs in
+  // program order, a valid schedule).
+  void add_stream(int64_t stream) {
+    Executor::add_stream(stream);
+    forms_.emplace_back();
+  }
+  void add_record(int64_t stream, int64_t event) {
+    Executor::add_record(stream, event);
+    forms_.emplace_back();
+  }
+  void add_wait(
+      int64_t stream,
+      const std::vector<int64_t>& events,
+      const std::vector<int64_t>& protect) {
+    Executor::add_wait(stream, events, protect);
+    forms_.emplace_back();
+  }
+
+  // The arena: `factory()` makes one (a list of tensors, one per slot) on `device`; at most
+  // `max_idle` arenas per inference mode and current stream of that device are kept between
+  // calls.
+  void set_arena(PyObject* factory, int64_t max_idle, const std::string& device) {
     arena_factory_ = py::reinterpret_borrow<py::object>(factory);
     set_arena_factory(
         [this]() {
@@ -187,7 +206,8 @@ class PyExecutor : public Executor {
           }
           return arena;
         },
-        max_idle);
+        max_idle,
+        c10::Device(device).type());
   }
 
   // The Program's guards (fxrt/exec/guards.py): `specs` are (input position, meta tensor of the

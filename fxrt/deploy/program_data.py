@@ -50,7 +50,7 @@ def encode_program(program: Program) -> dict[str, Any]:
     """
     import torch
 
-    from ..exec.program import Alloc, Free, OutCall, PyCall, SymStep, View
+    from ..exec.program import Alloc, Free, OutCall, PyCall, Record, Stream, SymStep, View, Wait
     from ..ir.graph import Op
     from ..serialize import SerializationError, _Writer
 
@@ -91,6 +91,12 @@ def encode_program(program: Program) -> dict[str, Any]:
             )
         elif isinstance(ins, Alloc):
             d.update(slot=ins.slot, cpu=ins.cpu)
+        elif isinstance(ins, Stream):
+            d["stream"] = ins.stream
+            if isinstance(ins, Record):
+                d["event"] = ins.event
+            elif isinstance(ins, Wait):
+                d.update(events=list(ins.events), protect=list(ins.protect))
         elif isinstance(ins, View):
             d.update(
                 view=ins.view,
@@ -159,11 +165,14 @@ def cpp_runnable(program: dict[str, Any] | None) -> str | None:
     if not isinstance(program, dict):
         return "the package stores no program (made by an older fxrt, or not encodable)"
     for ins in program.get("code", ()):
-        if isinstance(ins, dict) and ins.get("kind") == "PYCALL":
+        kind = ins.get("kind") if isinstance(ins, dict) else None
+        if kind in ("PYCALL", "STREAM", "RECORD", "WAIT"):
             nodes = program.get("nodes", [])
             i = ins.get("node")
             name = nodes[i] if isinstance(i, int) and 0 <= i < len(nodes) else "?"
-            return f"node {name} runs Python ({str(ins.get('op'))[:80]})"
+            if kind == "PYCALL":
+                return f"node {name} runs Python ({str(ins.get('op'))[:80]})"
+            return f"node {name} switches streams (multi-stream programs run in Python only)"
     return None
 
 

@@ -50,6 +50,7 @@ import torch
 from ..ir.graph import Graph, OpKind, Ref, ValueKind
 from ..ops.aliasing import is_collective
 from .plan import Plan
+from .streams import shared_values
 
 ALIGNMENT = 64  # bytes; what PyTorch's CPU allocator guarantees for every allocation
 
@@ -282,8 +283,11 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
     if not items and not views:
         return None
     placed = _Placed(len(graph.nodes))
+    shared = shared_values(graph)  # on side streams: busy over the whole program
+    whole = (0, max(len(graph.nodes) - 1, 0))
     for vid, nbytes, first, last, call in sorted(items, key=lambda it: (-it[1], it[2])):
-        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(first, last))
+        since, until = whole if vid in shared else (first, last)
+        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(since, until))
         offset = 0
         for lo, hi in busy:
             if offset + nbytes <= lo:
@@ -291,7 +295,9 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
             offset = max(offset, _align(hi))
         meta = graph.values[vid].meta
         shape, stride = tuple(meta.shape), tuple(meta.stride)
-        placed.add(Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call))
+        placed.add(
+            Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call), since, until
+        )
     slots = tuple(sorted(placed.slots, key=lambda s: s.first))
     guards = []
     for pos, vid in enumerate(graph.inputs):
@@ -322,15 +328,17 @@ class _Placed:
     def __init__(self, n_nodes: int):
         self.slots: list[Slot] = []  # in placement order
         self.size = 1 << max(n_nodes - 1, 0).bit_length()  # leaves: a power of two >= n_nodes
-        # Per tree node (1 is the root, leaf i is size + i): the slots live over its whole range.
-        self.cover: list[list[Slot] | None] = [None] * (2 * self.size)
+        # Per tree node (1 is the root, leaf i is size + i): the slots busy over its whole range,
+        # with the node where each one's busy interval starts.
+        self.cover: list[list[tuple[Slot, int]] | None] = [None] * (2 * self.size)
         self.firsts: list[int] = []  # distinct start indices, sorted
-        self.starting: dict[int, list[Slot]] = {}  # start index -> slots starting there
+        self.starting: dict[int, list[tuple[Slot, int]]] = {}  # start -> slots busy from there
 
-    def add(self, s: Slot) -> None:
+    def add(self, s: Slot, first: int, last: int) -> None:
+        """Place ``s``, busy over nodes ``first..last`` (its own interval, or a wider one)."""
         self.slots.append(s)
         cover = self.cover
-        lo, hi = s.first + self.size, s.last + self.size + 1
+        lo, hi = first + self.size, last + self.size + 1
         tiles = []  # the tree nodes whose ranges tile [first, last]
         while lo < hi:
             if lo & 1:
@@ -343,13 +351,13 @@ class _Placed:
             hi >>= 1
         for k in tiles:
             if cover[k] is None:
-                cover[k] = [s]
+                cover[k] = [(s, first)]
             else:
-                cover[k].append(s)
-        if s.first not in self.starting:
-            bisect.insort(self.firsts, s.first)
-            self.starting[s.first] = []
-        self.starting[s.first].append(s)
+                cover[k].append((s, first))
+        if first not in self.starting:
+            bisect.insort(self.firsts, first)
+            self.starting[first] = []
+        self.starting[first].append((s, first))
 
     def overlapping(self, first: int, last: int) -> list[Slot]:
         """The placed slots with ``s.first <= last and first <= s.last``."""
@@ -359,14 +367,14 @@ class _Placed:
         while k:
             here = cover[k]
             if here is not None:
-                for s in here:
-                    if s.first < first:
+                for s, busy_first in here:
+                    if busy_first < first:
                         found.append(s)
             k >>= 1
         firsts, starting = self.firsts, self.starting
         lo = bisect.bisect_left(firsts, first)
         for i in range(lo, bisect.bisect_right(firsts, last, lo)):
-            found.extend(starting[firsts[i]])
+            found.extend(s for s, _ in starting[firsts[i]])
         return found
 
 

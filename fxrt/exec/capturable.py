@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Graph, Node, OpKind, Ref, ValueKind, map_refs, refs_in, substitute_refs
+from ..ops.streams import is_stream_op
 from .capture_report import CaptureReport
 from .inputs import check_inputs
 from .program import Program, PyCall
@@ -80,6 +81,8 @@ def node_blockers(graph: Graph, program: Program) -> dict[int, str]:
 
 def _blocker(graph: Graph, node: Node) -> str:
     values = graph.values
+    if is_stream_op(node.op.name):  # recorded as the streams' own waits (fxrt.exec.streams)
+        return ""
     if node.op.kind is OpKind.ATEN:
         schema = node.op.schema
         base = schema.name.split("::")[-1]

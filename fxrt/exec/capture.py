@@ -46,6 +46,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph
+from ..passes.streams import has_stream_ops
 from .capturable import RegionRunner, mutated_inputs, node_blockers, split_regions
 from .capture_report import CaptureReport, SignatureReport, copy_report
 from .device_graphs import GraphAPI, graph_api
@@ -288,6 +289,9 @@ class CaptureRunner:
         can be, run the loop)."""
         blocked = self._blockers
         reasons = list(blocked.values())
+        if has_stream_ops(self.graph):  # regions would cut its scopes and events apart
+            self._disable("a multi-stream graph is captured whole or not at all: " + reasons[0])
+            return
         if len(blocked) == len(self.graph.nodes):
             more = len(reasons) - 1
             self._disable(reasons[0] + (f" (and {more} more)" if more else ""))

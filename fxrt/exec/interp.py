@@ -21,7 +21,7 @@ from ..errors import has_refs, instruction_error
 from ..ir.graph import Ref, map_refs
 from .guards import arena_allowed, torch_function_active
 from .inputs import check_inputs
-from .program import Alloc, Call, Free, OutCall, Program
+from .program import Alloc, Call, Free, OutCall, Program, Stream
 
 # Instruction tuples: (_FREE, regs), (_CALL, node, fn, loaded, outputs, multi) for every kind
 # that runs its plain form (CALL, VIEW, SYM, PYCALL, and OUT/ALLOC without an arena), and on
@@ -109,6 +109,11 @@ class PythonLoop:
             if isinstance(ins, Free):
                 code.append((_FREE, ins.regs))
                 continue
+            if isinstance(ins, Stream):
+                # Program order is a valid schedule of a multi-stream program: STREAM, RECORD
+                # and WAIT have nothing to do here (a FREE of nothing).
+                code.append((_FREE, ()))
+                continue
             # An ATen op through torch.ops' Python binding (``_op``): what __torch_function__
             # sees; SYM and PYCALL targets are Python callables already.
             fn = ins.target._op if isinstance(ins, Call) else ins.target
@@ -121,8 +126,11 @@ class PythonLoop:
                 self._arena_instruction(ins, plain) for ins, plain in zip(program.code, self.code)
             )
             # Arenas not in use, one pool per inference mode (the tensors of an arena made in
-            # inference mode are inference tensors, which normal mode may not write).
-            self._pools: tuple[list, list] = ([], [])
+            # inference mode are inference tensors, which normal mode may not write) and current
+            # stream of the arena's device (a call's work on one stream may still be reading
+            # its arena when a call on another starts).
+            self._pools: dict[tuple[bool, Any], list] = {}
+            self._device = torch.device(self.arena.device)
         out = program.output
         if isinstance(out, (tuple, list)) and all(isinstance(o, Ref) for o in out):
             regs = tuple(o.id for o in out)
@@ -162,27 +170,37 @@ class PythonLoop:
         arena = self.arena
         if arena is None or torch_function_active(inputs) or not arena_allowed(self.guards, inputs):
             return None
-        pool = self._pools[torch.is_inference_mode_enabled()]
+        pool = self._pools.get(self._pool_key())
         try:
             return pool.pop()
-        except IndexError:
+        except (AttributeError, IndexError):
             return arena.allocate()
 
+    def _pool_key(self) -> tuple[bool, Any]:
+        device = self._device
+        stream = None
+        if device.type != "cpu":
+            try:
+                s = torch.accelerator.current_stream(device)
+                stream = (s.device_index, s.stream_id)
+            except (RuntimeError, ValueError):  # a device without streams
+                stream = None
+        return torch.is_inference_mode_enabled(), stream
+
     def give_back(self, tensors: list[Any] | None) -> None:
-        if tensors is not None:  # the call ran in the inference mode it started in
-            pool = self._pools[torch.is_inference_mode_enabled()]
+        if tensors is not None:  # the call ran in the inference mode and stream it started in
+            pool = self._pools.setdefault(self._pool_key(), [])
             if len(pool) < self.arena_max_idle:  # more are freed: threads come and go
                 pool.append(tensors)
 
     def idle_arenas(self) -> int:
         """How many arenas are kept between calls now."""
-        return sum(map(len, self._pools)) if self.arena is not None else 0
+        return sum(map(len, self._pools.values())) if self.arena is not None else 0
 
     def release_memory(self) -> None:
         """Free the arenas kept between calls (calls running now keep theirs until they return)."""
         if self.arena is not None:
-            for pool in self._pools:
-                pool.clear()
+            self._pools.clear()
 
     def __call__(self, inputs: list[Any] | tuple[Any, ...]) -> Any:
         regs = self._registers(inputs)

@@ -44,8 +44,11 @@ from .program import (
     OutCall,
     Program,
     PyCall,
+    Record,
+    Stream,
     SymStep,
     View,
+    Wait,
 )
 
 # Release the GIL around native instructions, as torch.ops does around every op. Measured on the
@@ -200,8 +203,11 @@ class NativeLoop(_Executor):
             ],
             guards.constants_need_grad,
         )
+        if program.streams is not None:
+            st = program.streams
+            self.set_streams(len(st.labels), st.device, st.n_events)
         if program.arena is not None:
-            self.set_arena(program.arena.allocate, arena_max_idle)
+            self.set_arena(program.arena.allocate, arena_max_idle, program.arena.device)
         self.arena_max_idle = arena_max_idle
         self.set_names(
             [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
@@ -212,6 +218,15 @@ class NativeLoop(_Executor):
         """Add ``ins`` to the executor; None when added, else why it cannot be bound."""
         if isinstance(ins, Free):
             self.add_free(list(ins.regs))
+            return None
+        if isinstance(ins, Record):
+            self.add_record(ins.stream, ins.event)
+            return None
+        if isinstance(ins, Wait):
+            self.add_wait(ins.stream, list(ins.events), list(ins.protect))
+            return None
+        if isinstance(ins, Stream):
+            self.add_stream(ins.stream)
             return None
         if isinstance(ins, PyCall):
             self.add_pycall(

@@ -25,6 +25,8 @@ import torch
 
 from ..ir.graph import Graph, ValueKind, refs_in
 from ..ops.aliasing import alias_sets, is_collective
+from ..passes.streams import has_stream_ops
+from .streams import free_points
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,11 @@ def plan_lifetimes(graph: Graph) -> Plan:
         end = max(last[v] for v in vids)
         if end < 0:  # defined by no node (cannot happen for unpinned sets, kept for safety)
             continue
-        frees[end].extend(sorted(vids))
         free_at[root] = end
+    if has_stream_ops(graph):  # freed once every stream that uses it is done (exec.streams)
+        free_at = free_points(graph, members, free_at)
+    for root, end in free_at.items():
+        frees[end].extend(sorted(members[root]))
 
     # A collective's result shares its input's alias set (fxrt.ops.aliasing) though it is a new
     # storage: the byte count is then a lower bound.

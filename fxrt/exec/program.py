@@ -21,7 +21,16 @@ SYM      :class:`SymStep`: scalar arithmetic on sizes (``operator.mul`` of a Sym
 PYCALL   :class:`PyCall`: a Python callable (higher-order ops, Python functions), called inside
          the same loop; ``reason`` says why it is one when the compiled loop demoted a CALL.
 FREE     :class:`Free`: release registers after their alias set's last use.
+STREAM   :class:`Stream`: the instructions that follow run on stream ``stream`` (a scope op).
+RECORD   :class:`Record`: event ``event`` marks how far the current stream has come.
+WAIT     :class:`Wait`: the current stream waits until each of ``events`` was reached.
 =======  ===========================================================================================
+
+STREAM, RECORD and WAIT come from the stream ops (:mod:`fxrt.ops.streams`, ordered by
+:mod:`fxrt.passes.streams`); :attr:`Program.streams` then says how many streams and events there
+are and on which device (:mod:`fxrt.exec.streams`). Program order is a valid schedule of a
+multi-stream program: the Python loop runs it so; the compiled loop runs each side stream on a
+worker thread (CPU) or on a device stream.
 
 Every kind but FREE carries the plain form (``target(*args, **kwargs)`` into ``outputs``), which
 is what a call runs when ``__torch_function__`` must see its ops and what errors name. The
@@ -50,6 +59,7 @@ from .arena import ArenaPlan
 from .guards import CallGuards
 from .inputs import InputSpec, input_specs
 from .plan import Plan
+from .streams import StreamStep, StreamTable, stream_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +158,40 @@ class Free:
     regs: tuple[int, ...]
 
 
-Instr = Union[Call, SymStep, PyCall, Free]
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """STREAM: what follows runs on stream ``stream`` (0: the caller's)."""
+
+    KIND: ClassVar[str] = "STREAM"
+    node: int
+    target: Any  # the scope op
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[int, ...]
+    multi: bool
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record(Stream):
+    """RECORD: event ``event`` on stream ``stream`` (the current one)."""
+
+    KIND: ClassVar[str] = "RECORD"
+    event: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Wait(Stream):
+    """WAIT: stream ``stream`` waits for ``events``; ``protect``: registers made on other
+    streams that this stream reads after the wait (a device executor marks their memory as in
+    use on this stream, as ``record_stream`` does)."""
+
+    KIND: ClassVar[str] = "WAIT"
+    events: tuple[int, ...] = ()
+    protect: tuple[int, ...] = ()
+
+
+Instr = Union[Call, SymStep, PyCall, Free, Stream]
 
 # SYM steps: Python callable -> the name both loops know. The compiled loop computes them on
 # int64 (Python's semantics: floor division and modulo round toward negative infinity; overflow,
@@ -196,6 +239,7 @@ class Program:
     arena: ArenaPlan | None = None
     guards: CallGuards = CallGuards()
     demotions: tuple[Demotion, ...] = ()
+    streams: StreamTable | None = None  # a multi-stream program's streams and events
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -225,9 +269,14 @@ def lower(
     code: list[Instr] = []
     infos: list[NodeInfo] = []
     slot_of = arena.slot_of() if arena is not None else {}
+    streams = stream_table(graph)
+    steps = streams[1] if streams is not None else {}
     for i, node in enumerate(graph.nodes):
         infos.append(NodeInfo(node.name, node.op.name, node.stack_trace))
-        code.append(_instruction(graph, arena, slot_of, i, i in views))
+        if i in steps:
+            code.append(_stream_instruction(node, i, steps[i]))
+        else:
+            code.append(_instruction(graph, arena, slot_of, i, i in views))
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     constants = tuple(graph.constants.items())
@@ -249,7 +298,17 @@ def lower(
         peak_bytes=plan.peak_bytes,
         arena=arena,
         guards=guards,
+        streams=streams[0] if streams is not None else None,
     )
+
+
+def _stream_instruction(node: Any, i: int, step: StreamStep) -> Stream:
+    args = (i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
+    if step.kind == "RECORD":
+        return Record(*args, step.stream, event=step.events[0])
+    if step.kind == "WAIT":
+        return Wait(*args, step.stream, events=step.events, protect=step.protect)
+    return Stream(*args, step.stream)
 
 
 def _instruction(
@@ -354,9 +413,13 @@ def program_to_text(program: Program) -> str:
         lines.append(f"  const  %{names[r]} = {format_arg(c)}")
     if program.arena is not None:
         lines.append(f"  arena  {program.arena.nbytes} bytes, {len(program.arena.slots)} slots")
+    if program.streams is not None:
+        lines.append(f"  {program.streams.text()}")
     for pc, ins in enumerate(program.code):
         if isinstance(ins, Free):
             text = "FREE   " + ", ".join(f"%{names[r]}" for r in ins.regs)
+        elif isinstance(ins, Stream):
+            text = _stream_text(program, ins, names)
         else:
             outs = ", ".join(f"%{names[r]}" for r in ins.outputs)
             if ins.multi:
@@ -373,6 +436,19 @@ def program_to_text(program: Program) -> str:
     for d in program.demotions:
         lines.append(f"demoted: {d.pc} {d.node} {d.was} -> {d.now} ({d.reason})")
     return "\n".join(lines)
+
+
+def _stream_text(program: Program, ins: Stream, names: dict[int, str]) -> str:
+    if isinstance(ins, Record):
+        return f"RECORD event {ins.event} on stream {ins.stream}  # {program.nodes[ins.node].name}"
+    if isinstance(ins, Wait):
+        evs = ", ".join(map(str, ins.events))
+        text = f"WAIT   events {evs} on stream {ins.stream}"
+        if ins.protect:
+            text += " protect " + ", ".join(f"%{names[r]}" for r in ins.protect)
+        return text
+    label = program.streams.labels[ins.stream] if program.streams is not None else None
+    return f"STREAM {ins.stream} ({'caller' if label is None else repr(label)})"
 
 
 def _suffix(program: Program, ins: Instr, names: dict[int, str]) -> str:
@@ -395,8 +471,8 @@ def _suffix(program: Program, ins: Instr, names: dict[int, str]) -> str:
 
 
 def input_refs(ins: Instr) -> list[int]:
-    """Register ids an instruction reads (none for a FREE)."""
-    if isinstance(ins, Free):
+    """Register ids an instruction reads (none for a FREE or a stream instruction)."""
+    if isinstance(ins, (Free, Stream)):
         return []
     return refs_in((ins.args, ins.kwargs))
 
@@ -412,9 +488,12 @@ __all__ = [
     "OutCall",
     "Program",
     "PyCall",
+    "Record",
     "Ref",
+    "Stream",
     "SymStep",
     "View",
+    "Wait",
     "input_refs",
     "lower",
     "program_to_text",

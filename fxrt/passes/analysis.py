@@ -13,6 +13,7 @@ import torch
 
 from ..ir.graph import Graph, Node, OpKind, ValueKind, refs_in, substitute_refs
 from ..ops.aliasing import alias_sets, bind_schema_args, is_collective
+from ..ops.streams import is_stream_op
 
 
 def is_pure(node: Node) -> bool:
@@ -21,6 +22,8 @@ def is_pure(node: Node) -> bool:
         return False
     target = node.op.target
     if target._schema.is_mutable or is_collective(node.op.name):  # a collective is never merged
+        return False
+    if is_stream_op(node.op.name):  # scopes and events are where they are, never merged
         return False
     tags = set(getattr(target, "tags", ()))
     return not (tags & {torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
@@ -34,6 +37,8 @@ def has_side_effects(node: Node) -> bool:
     if target._schema.is_mutable or "assert" in node.op.name or "print" in node.op.name:
         return True
     if is_collective(node.op.name):  # every rank must issue (and wait on) the same collectives
+        return True
+    if is_stream_op(node.op.name):
         return True
     return torch.Tag.nondeterministic_seeded in set(getattr(target, "tags", ()))
 

@@ -1,0 +1,104 @@
+"""``streams="auto"`` against eager on both loops: a dense MoE block (experts on streams), a
+parallel-residual block (attention and MLP on streams); graphs without branches worth a stream
+are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import recording_compiles, skip_unless_executor
+from torch import nn
+
+from fxrt.ir import graph_to_text
+from fxrt.models import OpChain
+
+
+class MoE(nn.Module):
+    """A dense mixture of experts: every expert runs, weighted by the router's softmax."""
+
+    def __init__(self, dim: int = 256, n_experts: int = 4, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or 2 * dim
+        self.router = nn.Linear(dim, n_experts)
+        self.up = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(n_experts))
+        self.down = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        out = 0
+        for i, (up, down) in enumerate(zip(self.up, self.down)):
+            out = out + down(nn.functional.gelu(up(x))) * gate[..., i : i + 1]
+        return out
+
+
+class ParallelResidual(nn.Module):
+    """A GPT-J style block: ``x + attn(ln(x)) + mlp(ln(x))``."""
+
+    def __init__(self, dim: int = 256, heads: int = 4):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        b, t, d = h.shape
+        q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        a = self.proj(a.transpose(1, 2).reshape(b, t, d))
+        m = self.fc2(nn.functional.gelu(self.fc1(h)))
+        return x + a + m
+
+
+def compile_auto(model: nn.Module, executor: str, **options):
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    opts = {"pure_python": executor == "python", "cache": False, "streams": "auto", **options}
+    return torch.compile(model, backend="fxrt", options=opts)
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: MoE(256, 4), (1, 256)),
+        (lambda: MoE(256, 4), (4, 256)),
+        (lambda: ParallelResidual(256), (1, 8, 256)),
+    ],
+    ids=["moe-b1", "moe-b4", "parallel-residual"],
+)
+def test_auto_streams_equal_eager(executor, make, shape):
+    torch.manual_seed(0)
+    model = make().eval()
+    fn = compile_auto(model, executor)
+    with torch.no_grad(), recording_compiles() as built:
+        for _ in range(3):
+            x = torch.randn(shape)
+            torch.testing.assert_close(fn(x), model(x))
+    (cg,) = built
+    assert cg.program.streams is not None, str(cg.program)
+    assert any(label and label.startswith("auto") for label in cg.program.streams.labels)
+
+
+def test_max_streams_one_is_one_stream(executor):
+    fn = compile_auto(MoE(256, 4).eval(), executor, max_streams=1)
+    with torch.no_grad(), recording_compiles() as built:
+        fn(torch.randn(1, 256))
+    assert built[0].program.streams is None
+
+
+def test_graph_without_branches_is_unchanged(executor):
+    model = OpChain(40).eval()
+    x = torch.randn(1, 64)
+    texts = []
+    for streams in ("auto", "manual"):
+        fn = compile_auto(model, executor, streams=streams)
+        with torch.no_grad(), recording_compiles() as built:
+            torch.testing.assert_close(fn(x), model(x))
+        texts.append(graph_to_text(built[0].graph))
+    assert texts[0] == texts[1]
