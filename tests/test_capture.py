@@ -17,27 +17,11 @@ import standin
 import torch
 import torch._dynamo
 from conftest import recording_compiles, skip_unless_executor
+from test_standin_fxrt import _idle_device, to_cpu, to_device  # noqa: F401 - the fixture too
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_map
 
 import fxrt
 from fxrt.models import MLP, DecoderBlock, KVCacheDecoder
-
-
-@pytest.fixture(autouse=True)
-def _idle_device(request):
-    yield
-    if "dev" in request.fixturenames:
-        request.getfixturevalue("dev").synchronize()
-
-
-def to_device(x: Any) -> Any:
-    name = standin.name()
-    return tree_map(lambda t: t.to(name) if isinstance(t, torch.Tensor) else t, x)
-
-
-def to_cpu(x: Any) -> Any:
-    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, x)
 
 
 def compiled(fn: Callable, executor: str, dynamic: bool | None = None, **options: Any) -> Callable:

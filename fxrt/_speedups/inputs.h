@@ -22,7 +22,20 @@ struct InputSpec {
   c10::Device device;
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
+  std::vector<size_t> dense;  // with strides -2 - k: the dimensions, innermost first (set_dense)
 };
+
+// Fills spec.dense from the stride codes (once, when the specs are set).
+inline void set_dense(InputSpec& spec) {
+  spec.dense.clear();
+  if (spec.strides.empty() || spec.strides[0] >= -1) {
+    return;
+  }
+  spec.dense.resize(spec.strides.size());
+  for (size_t d = 0; d < spec.strides.size(); ++d) {
+    spec.dense[static_cast<size_t>(-2 - spec.strides[d])] = d;
+  }
+}
 
 // True when every input in `regs` matches its spec; `n_symbols` size symbols are bound per call.
 inline bool inputs_match(
@@ -43,13 +56,9 @@ inline bool inputs_match(
     c10::IntArrayRef sizes = t.sizes();
     c10::IntArrayRef strides = t.strides();
     const size_t rank = spec.sizes.size();
-    if (rank > 0 && spec.strides[0] < -1) {
-      c10::SmallVector<size_t, 8> order(rank, 0);
-      for (size_t d = 0; d < rank; ++d) {
-        order[static_cast<size_t>(-2 - spec.strides[d])] = d;
-      }
+    if (!spec.dense.empty()) {
       int64_t expected = 1;
-      for (size_t d : order) {
+      for (size_t d : spec.dense) {
         if (sizes[d] != 1 && strides[d] != expected) {
           return false;
         }

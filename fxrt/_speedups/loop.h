@@ -170,7 +170,8 @@ class Executor {
       std::vector<ArenaInput> arena_inputs,
       bool constants_need_grad) {
     int64_t n_symbols = 0;
-    for (const InputSpec& spec : specs) {
+    for (InputSpec& spec : specs) {
+      set_dense(spec);
       for (int64_t s : spec.sizes) {
         n_symbols = std::max(n_symbols, -1 - s);
       }
@@ -236,12 +237,7 @@ class Executor {
             continue;
           }
           std::optional<at::RecordFunction> range;
-          if (ranges && pc < names_.size()) {
-            range.emplace(at::RecordScope::USER_SCOPE);
-            if (range->isActive()) {
-              range->before(std::string_view(names_[pc]), c10::ArrayRef<const IValue>{});
-            }
-          }
+          open_range(range, pc, ranges);
           int64_t t0 = now_ns();
           step<Python>(pc, regs, stack, gil, arena.get(), forms, dev);
           int64_t t1 = now_ns();
@@ -271,6 +267,16 @@ class Executor {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
+  }
+
+  // With `ranges`, instruction pc runs inside a torch.profiler range named after its node.
+  void open_range(std::optional<at::RecordFunction>& range, size_t pc, bool ranges) const {
+    if (ranges && pc < names_.size()) {
+      range.emplace(at::RecordScope::USER_SCOPE);
+      if (range->isActive()) {
+        range->before(std::string_view(names_[pc]), c10::ArrayRef<const IValue>{});
+      }
+    }
   }
 
   void grow_stack(const CallOp& call) {
@@ -375,12 +381,7 @@ class Executor {
     if constexpr (Timed) {
       if (ins.kind != Instr::FREE) {
         std::optional<at::RecordFunction> range;
-        if (ranges && pc < names_.size()) {
-          range.emplace(at::RecordScope::USER_SCOPE);
-          if (range->isActive()) {
-            range->before(std::string_view(names_[pc]), c10::ArrayRef<const IValue>{});
-          }
-        }
+        open_range(range, pc, ranges);
         int64_t t0 = now_ns();
         step<false>(pc, regs, stack, gil, arena, forms, nullptr);
         call.add_timing(timings, static_cast<int64_t>(pc), t0, now_ns());

@@ -39,6 +39,7 @@ class InputSpec:
     sizes: tuple[int, ...]  # >= 0 exact, ANY, or -2 - k for size symbol k
     strides: tuple[int, ...]  # >= 0 exact, ANY, or -2 - k: dense, k-th from the innermost
     device: torch.device  # meta.device, resolved once rather than per call
+    dense: tuple[int, ...] = ()  # with strides -2 - k: the dimensions, innermost first
 
     def describe(self) -> str:
         dt = str(self.meta.dtype).removeprefix("torch.")
@@ -68,12 +69,13 @@ def input_specs(graph: Graph) -> tuple[InputSpec, ...]:
         if order is not None:
             strides = tuple(-2 - order.index(d) for d in range(len(order)))
         else:
+            order = []
             strides = tuple(
                 st if isinstance(st, int) and isinstance(sz, int) and sz > 1 else ANY
                 for sz, st in zip(v.meta.shape, v.meta.stride)
             )
         device = torch.device(v.meta.device)
-        specs.append(InputSpec(pos, v.name, v.meta, tuple(sizes), strides, device))
+        specs.append(InputSpec(pos, v.name, v.meta, tuple(sizes), strides, device, tuple(order)))
     return tuple(specs)
 
 
@@ -147,9 +149,9 @@ def _check(specs: Sequence[InputSpec], inputs: Sequence[Any]) -> None:
             elif want != ANY and bound.setdefault(want, got) != got:
                 raise mismatch(spec, x, "a size symbol bound to two values")
         strides = x.stride()
-        if spec.strides and spec.strides[0] < ANY:  # dense in the order the codes give
+        if spec.dense:
             expected = 1
-            for d in sorted(range(len(spec.strides)), key=lambda d: -spec.strides[d]):
+            for d in spec.dense:
                 size = x.shape[d]
                 if size != 1 and strides[d] != expected:
                     raise mismatch(spec, x, "not dense in the layout it was compiled for")
