@@ -42,6 +42,7 @@ from clients_child import CLIENTS, DECODERS, build, forward_output, greedy, inpu
 from conftest import EXECUTORS, native_available, recording_compiles, skip_unless_executor
 
 import fxrt
+from fxrt.exec.program import Kernel
 
 FULL = os.environ.get("FXRT_CLIENTS", "quick") == "full"
 MODELS = list(CLIENTS)
@@ -84,6 +85,16 @@ def cache_kwargs(cache: str) -> dict[str, Any]:
 def assert_ran_on(built: list[fxrt.CompiledGraph], executor: str) -> None:
     assert built, "fxrt compiled no graph"
     assert {cg.executor for cg in built} == {executor}
+
+
+def assert_kernels_native(built: list[fxrt.CompiledGraph]) -> None:
+    """Inductor's C++ kernels in the host graphs are KERNEL instructions (C calls), none a
+    Python fallback or a demotion."""
+    programs = [cg.program for cg in built]
+    assert any(isinstance(i, Kernel) for p in programs for i in p.code)
+    for p in programs:
+        assert not [n for n in p.fallbacks if n.startswith("cpp_")], p.fallbacks
+        assert not p.demotions, p.demotions
 
 
 def check_forward(model: Any, compiled: Any, name: str, shapes: list[tuple[int, int]]) -> None:
@@ -197,6 +208,7 @@ def test_inductor_forward(name: str, executor: str, tmp_path: Path) -> None:
         compiled = torch.compile(model)
         check_forward(model, compiled, name, SHAPES if FULL else SHAPES[1:])
     assert_ran_on(built, executor)
+    assert_kernels_native(built)
 
 
 @needs_cxx
@@ -208,3 +220,4 @@ def test_inductor_generate_gpt2_static(executor: str, tmp_path: Path) -> None:
         compiled = torch.compile(model.forward, dynamic=False)
         check_generate(model, compiled, "static")
     assert_ran_on(built, executor)
+    assert_kernels_native(built)

@@ -25,9 +25,10 @@ from torch._inductor.codegen import common as inductor_common
 from torch._inductor.codegen.wrapper_fxir import WrapperFxCodegen
 
 import fxrt
-from fxrt.exec.program import Call, Free, PyCall, input_refs
+from fxrt.exec.program import Call, Free, Kernel, PyCall, input_refs
 from fxrt.inductor import FxrtWrapperCodegen, compiled_host_graphs
 from fxrt.models import DecoderBlock, workloads
+from fxrt.ops.c_kernels import CKernel, param_kinds
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -306,10 +307,13 @@ def test_model_matches_eager_and_runs_in_fxrt(name, executor):
     cg = c.host_graphs[0]
     assert cg.executor == executor
     listing = str(cg.program)
-    # Inductor's C++ kernels stay in the host graph as fallback calls ...
-    kernels = [i for i in cg.program.code if isinstance(i, PyCall)]
+    # Inductor's C++ kernels are KERNEL instructions: the compiled loop calls their C functions
+    # (the Python loop their bindings); none is left a Python fallback ...
+    kernels = [i for i in cg.program.code if isinstance(i, Kernel)]
     assert kernels and all(cg.program.nodes[i.node].name.startswith("cpp_") for i in kernels)
-    assert "fallbacks: cpp_" in listing
+    assert all(i.target.address and len(i.args) == len(i.target.params) for i in kernels)
+    assert "  KERNEL %cpp_" in listing and "fallbacks: cpp_" not in listing
+    assert not cg.program.demotions
     # ... while allocations, views and extern kernels run as native ATen calls.
     natives = {i.target for i in cg.program.code if isinstance(i, Call)}
     assert torch.ops.aten.empty_strided.default in natives
@@ -397,8 +401,86 @@ def test_dynamic_shapes_pass_sizes_to_kernels(executor):
     inputs = [cg.graph.values[v] for v in cg.graph.inputs]
     assert any(v.kind.value == "sym" for v in inputs), "expected symbolic size inputs"
     sym_regs = {v.id for v in inputs if v.kind.value == "sym"}
-    kernel_args = [set(input_refs(i)) for i in cg.program.code if isinstance(i, PyCall) and i.args]
+    kernel_args = [set(input_refs(i)) for i in cg.program.code if isinstance(i, Kernel)]
     assert any(args & sym_regs for args in kernel_args), "no kernel received a size argument"
+
+
+def test_c_kernel_parameters():
+    assert param_kinds(["const float*", "float*", "const int64_t", "int64_t", "const bool*"]) == (
+        "ptr",
+        "ptr",
+        "int",
+        "int",
+        "ptr",
+    )
+    # A float parameter travels in a floating-point register: no native call.
+    assert param_kinds(["const float*", "const float"]) is None
+    assert CKernel("k", lambda x, y: None, ["const float*", "const float"]).address is None
+    # A binding that is not a compiled library's has no C function to call.
+    k = CKernel("k", lambda x: x + 1, ["const float*"])
+    assert k.address is None and k(1) == 2
+
+
+def _embedding_kernel_graph(executor: str) -> tuple[Callable[..., Any], fxrt.CompiledGraph]:
+    def fn(idx, w, x):
+        return torch.nn.functional.embedding(idx, w).relu() * x
+
+    before = {id(cg) for cg in compiled_host_graphs()}
+    with registered(fxrt.CompilerConfig(pure_python=executor == "python")):
+        compiled_fn = torch.compile(fresh_entry(fn, f"embedding-{executor}"), dynamic=True)
+        w = torch.randn(10, 4)
+        for n in (3, 5):
+            idx, x = torch.randint(0, 10, (n,)), torch.randn(n, 4)
+            torch.testing.assert_close(compiled_fn(idx, w, x), fn(idx, w, x))
+    (cg,) = [g for g in compiled_host_graphs() if id(g) not in before]
+    return compiled_fn, cg
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_kernel_errors_name_the_node_and_the_graph_recovers(executor):
+    # The kernel checks its indices and throws from C++: the compiled loop, which calls it
+    # directly, raises what the binding raises, naming the node, and the next call works.
+    skip_unless_executor(executor)
+    compiled_fn, cg = _embedding_kernel_graph(executor)
+    (kernel,) = [i for i in cg.program.code if isinstance(i, Kernel)]
+    name = cg.program.nodes[kernel.node].name
+    w = torch.randn(10, 4)
+    with pytest.raises(RuntimeError, match=rf"(?s){name}.*index out of bounds"):
+        compiled_fn(torch.tensor([1, 12, 3]), w, torch.randn(3, 4))
+    idx, x = torch.tensor([9, 0, 4, 4]), torch.randn(4, 4)
+    want = torch.nn.functional.embedding(idx, w).relu() * x
+    torch.testing.assert_close(compiled_fn(idx, w, x), want)
+
+
+def test_kernel_runs_its_binding_under_torch_function_modes(monkeypatch):
+    # A call that __torch_function__ must see runs every instruction's Python form: the
+    # kernel's binding, with the same answers.
+    skip_unless_executor("cpp")
+    compiled_fn, cg = _embedding_kernel_graph("cpp")
+    seen_inputs: list[list[Any]] = []
+    original = fxrt.CompiledGraph.__call__
+
+    def record(self: fxrt.CompiledGraph, *args: Any) -> Any:
+        seen_inputs.append(list(args[0]))
+        return original(self, *args)
+
+    monkeypatch.setattr(fxrt.CompiledGraph, "__call__", record)
+    idx, x, w = torch.tensor([2, 7]), torch.randn(2, 4), torch.randn(10, 4)
+    want = compiled_fn(idx, w, x)
+    monkeypatch.undo()
+    torch.testing.assert_close(want, torch.nn.functional.embedding(idx, w).relu() * x)
+    seen: list[Any] = []
+
+    class Seeing(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seeing():
+        got = cg(seen_inputs[0])
+    torch.testing.assert_close(got, cg(seen_inputs[0]))
+    assert seen, "the mode saw no call"
+    assert any(isinstance(i, Kernel) for i in cg.program.code)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

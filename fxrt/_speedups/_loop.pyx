@@ -52,6 +52,9 @@ cdef extern from "py_executor.h":
             const vector[int64_t]& ints, const vector[int64_t]& strides, int64_t offset,
         ) except +set_python_error
         string add_sym(object fn, int64_t kind, object args, int64_t output) except +set_python_error
+        string add_kernel(
+            object fn, object args, int64_t address, const vector[int64_t]& kinds, int64_t output
+        ) except +set_python_error
         void add_pycall(
             object fn, object args, object kwargs, const vector[int64_t]& outputs, cbool multi
         ) except +set_python_error
@@ -157,6 +160,11 @@ cdef class Executor:
     def add_sym(self, fn, int64_t kind, tuple args, int64_t output):
         """SYM step ``kind`` (0 add ... 13 min, loop.h's order) on registers and ints."""
         return _why(self._impl().add_sym(fn, kind, args, output))
+
+    def add_kernel(self, fn, tuple args, int64_t address, kinds, int64_t output):
+        """KERNEL: the C function at ``address`` on ``args`` (registers and ints), ``kinds``
+        0 for a pointer parameter and 1 for an integer one; ``fn(*args)`` its Python form."""
+        return _why(self._impl().add_kernel(fn, args, address, kinds, output))
 
     def add_pycall(self, fn, tuple args, dict kwargs, outputs, cbool multi):
         """PYCALL ``fn(*args, **kwargs)``."""

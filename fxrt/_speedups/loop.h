@@ -6,8 +6,8 @@
 // It is built once, instruction by instruction in program order (so an instruction's index is
 // the same as in the Program), one add_*_op method per instruction kind, each taking the bound
 // instruction: CALL (call.h), OUT, ALLOC and VIEW (their arena and inline forms in
-// inline_ops.h, their plain form a CALL), SYM (sym.h), PYCALL (pycall.h, a placeholder here: its
-// Python form runs it) and FREE. The Executor is immutable afterwards, so any number of threads
+// inline_ops.h, their plain form a CALL), SYM (sym.h), KERNEL (c_kernel.h), PYCALL (pycall.h, a
+// placeholder here: its Python form runs it) and FREE. The Executor is immutable afterwards, so any number of threads
 // may run it at once.
 //
 // Per call, the caller makes a register file (registers(): the Program's constants preloaded),
@@ -33,6 +33,7 @@
 #pragma once
 
 #include "arena_pool.h"
+#include "c_kernel.h"
 #include "call.h"
 #include "inline_ops.h"
 #include "inputs.h"
@@ -58,10 +59,10 @@ namespace fxrt {
 using Registers = std::vector<IValue>;
 
 struct Instr {
-  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, PYCALL, FREE, STREAM, RECORD, WAIT };
+  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, KERNEL, PYCALL, FREE, STREAM, RECORD, WAIT };
   Kind kind;
-  // into calls_, outs_, allocs_, views_, syms_, frees_, stream_ops_, records_ or waits_; the pc
-  // for PYCALL
+  // into calls_, outs_, allocs_, views_, syms_, kernels_, frees_, stream_ops_, records_ or
+  // waits_; the pc for PYCALL
   size_t index;
 };
 
@@ -121,6 +122,10 @@ class Executor {
   void add_sym_op(SymOp sym) {
     code_.push_back({Instr::SYM, syms_.size()});
     syms_.push_back(std::move(sym));
+  }
+  void add_kernel_op(KernelOp kernel) {
+    code_.push_back({Instr::KERNEL, kernels_.size()});
+    kernels_.push_back(std::move(kernel));
   }
   void add_python_op() { code_.push_back({Instr::PYCALL, code_.size()}); }
 
@@ -499,6 +504,10 @@ class Executor {
           forms.run(pc, regs, gil);
         }
         return;
+      case Instr::KERNEL:
+        gil.release();
+        run_kernel(kernels_[ins.index], regs);
+        return;
       case Instr::PYCALL:
         forms.run(pc, regs, gil);
         return;
@@ -518,6 +527,7 @@ class Executor {
   std::vector<AllocOp> allocs_;
   std::vector<ViewOp> views_;
   std::vector<SymOp> syms_;
+  std::vector<KernelOp> kernels_;
   std::vector<std::vector<int64_t>> frees_;
   std::vector<StreamOp> stream_ops_;
   std::vector<RecordOp> records_;

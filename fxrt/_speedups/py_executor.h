@@ -164,6 +164,44 @@ class PyExecutor : public Executor {
     return "";
   }
 
+  // KERNEL: the C function at `address` (c_kernel.h) on `args`, registers and ints; `kinds` per
+  // parameter, 0 a pointer and 1 an integer; `fn(*args)` its Python form.
+  std::string add_kernel(
+      PyObject* fn,
+      PyObject* args,
+      int64_t address,
+      const std::vector<int64_t>& kinds,
+      int64_t output) {
+    if (!kKernelCallsSupported) {
+      return "this machine's calling convention is not supported";
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (address == 0 || static_cast<size_t>(n) != kinds.size() ||
+        kinds.size() > kMaxKernelArgs) {
+      return "no native entry for these arguments";
+    }
+    KernelOp op{reinterpret_cast<void*>(static_cast<intptr_t>(address)), {}, output};
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args, i);
+      bool pointer = kinds[static_cast<size_t>(i)] == 0;
+      if (refs_.is_ref(a)) {
+        op.args.push_back({pointer ? KernelArg::POINTER : KernelArg::INT, refs_.id(a)});
+      } else if (!pointer && PyLong_CheckExact(a)) {
+        op.args.push_back({KernelArg::CONSTANT, PyLong_AsLongLong(a)});
+        if (PyErr_Occurred()) {
+          PyErr_Clear();
+          return "an integer argument does not fit in int64";
+        }
+      } else {
+        return "argument " + std::to_string(i) + " is neither a register nor an int";
+      }
+    }
+    py::object kwargs = steal_or_throw(PyDict_New());
+    forms_.push_back(bind_pycall(fn, args, kwargs.ptr(), {output}, false, refs_));
+    add_kernel_op(std::move(op));
+    return "";
+  }
+
   void add_pycall(
       PyObject* fn,
       PyObject* args,

@@ -50,7 +50,18 @@ def encode_program(program: Program) -> dict[str, Any]:
     """
     import torch
 
-    from ..exec.program import Alloc, Free, OutCall, PyCall, Record, Stream, SymStep, View, Wait
+    from ..exec.program import (
+        Alloc,
+        Free,
+        Kernel,
+        OutCall,
+        PyCall,
+        Record,
+        Stream,
+        SymStep,
+        View,
+        Wait,
+    )
     from ..ir.graph import Op
     from ..serialize import SerializationError, _Writer
 
@@ -68,6 +79,8 @@ def encode_program(program: Program) -> dict[str, Any]:
             code.append({"kind": "FREE", "regs": list(ins.regs)})
             continue
         where = f"node {names[ins.node]}"
+        if isinstance(ins, Kernel):
+            raise SerializationError(f"{where}: a compiled C kernel cannot be stored")
         d: dict[str, Any] = {"kind": ins.KIND, "node": ins.node}
         if isinstance(ins, SymStep):
             d.update(op=ins.op, args=w.arg(ins.args, where), outputs=list(ins.outputs))

@@ -28,7 +28,7 @@ from ..ir.graph import Graph, Node, OpKind, Ref, ValueKind, map_refs, refs_in, s
 from ..ops.streams import is_stream_op
 from .capture_report import CaptureReport
 from .inputs import check_inputs
-from .program import Program, PyCall
+from .program import Kernel, Program, PyCall
 
 # Ops that read a tensor's metadata, not its data: the host may call them while capturing.
 _METADATA_OPS = frozenset(
@@ -64,7 +64,7 @@ def node_blockers(graph: Graph, program: Program) -> dict[int, str]:
         if reason:
             why[i] = f"node {node.name} ({node.op.name}) {reason}"
     for ins in program.code:
-        if isinstance(ins, PyCall) and ins.node not in why:
+        if isinstance(ins, (PyCall, Kernel)) and ins.node not in why:
             tensors = [
                 r
                 for r in refs_in((ins.args, ins.kwargs))
@@ -72,8 +72,9 @@ def node_blockers(graph: Graph, program: Program) -> dict[int, str]:
             ]
             if tensors:
                 info = program.nodes[ins.node]
+                where = "in Python" if isinstance(ins, PyCall) else "a C kernel on the host"
                 why[ins.node] = (
-                    f"node {info.name} ({info.op}) runs in Python and reads tensor "
+                    f"node {info.name} ({info.op}) runs {where} and reads tensor "
                     f"{values[tensors[0]].name}"
                 )
     return why

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import instruction_error
 from ..ir.graph import Op, Ref
+from ..ops.c_kernels import INT, POINTER
 from .inputs import InputError, InputSpec, check_inputs
 from .program import (
     SYM_OPS,
@@ -41,6 +42,7 @@ from .program import (
     Demotion,
     Free,
     Instr,
+    Kernel,
     OutCall,
     Program,
     PyCall,
@@ -132,6 +134,7 @@ else:
 
 
 _VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4}
+_KERNEL_PARAMS = {POINTER: 0, INT: 1}  # c_kernel.h's KernelArg kinds
 _SYM_KINDS = {op: k for k, op in enumerate(dict.fromkeys(SYM_OPS.values()))}  # loop.h's order
 
 
@@ -233,6 +236,11 @@ class NativeLoop(_Executor):
                 ins.target, tuple(ins.args), dict(ins.kwargs), list(ins.outputs), ins.multi
             )
             return None
+        if isinstance(ins, Kernel):
+            kinds = [_KERNEL_PARAMS[p] for p in ins.target.params]
+            return self.add_kernel(
+                ins.target, tuple(ins.args), ins.target.address, kinds, ins.outputs[0]
+            )
         if isinstance(ins, SymStep):
             return self.add_sym(ins.target, _SYM_KINDS[ins.op], tuple(ins.args), ins.outputs[0])
         schema = ins.target._schema
@@ -288,7 +296,7 @@ class NativeLoop(_Executor):
 
 def _demoted(ins: Instr, why: str) -> Instr:
     """What runs ``ins`` when the compiled loop cannot bind it: OUT, ALLOC and VIEW as their plain
-    CALL, a CALL or SYM step as the Python call the Python loop makes."""
+    CALL, a CALL, SYM step or KERNEL as the Python call the Python loop makes."""
     if isinstance(ins, Call) and type(ins) is not Call:
         return ins.plain()
     reason = f"{Op.of(ins.target).name}: {why}"

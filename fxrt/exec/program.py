@@ -18,6 +18,9 @@ VIEW     :class:`View`: a view made inline (a new TensorImpl on the input's stor
          strided tensor or the view does not apply.
 SYM      :class:`SymStep`: scalar arithmetic on sizes (``operator.mul`` of a SymInt and an int),
          computed natively on integers, in Python only for other operands.
+KERNEL   :class:`Kernel`: a compiled C function (:class:`fxrt.ops.c_kernels.CKernel`: one of
+         Inductor's C++ kernels), called by the compiled loop with its tensors' data pointers
+         and its integers; its Python binding in the Python loop.
 PYCALL   :class:`PyCall`: a Python callable (higher-order ops, Python functions), called inside
          the same loop; ``reason`` says why it is one when the compiled loop demoted a CALL.
 FREE     :class:`Free`: release registers after their alias set's last use.
@@ -40,8 +43,8 @@ class and its line in :func:`lower` and :func:`program_to_text` here, its case i
 ``fxrt/_speedups/loop.h`` runs it).
 
 If the compiled loop cannot bind an instruction (an op the dispatcher lacks, arguments its schema
-does not take), it demotes it (OUT/ALLOC/VIEW to CALL, CALL to PYCALL) and writes the demotion
-back: its ``program`` is this Program with those instructions replaced, listed in
+does not take), it demotes it (OUT/ALLOC/VIEW to CALL, CALL and KERNEL to PYCALL) and writes the
+demotion back: its ``program`` is this Program with those instructions replaced, listed in
 :attr:`Program.demotions`.
 """
 
@@ -55,6 +58,7 @@ import torch
 
 from ..ir.graph import Graph, Op, OpKind, Ref, refs_in
 from ..ir.printer import format_arg, format_call
+from ..ops.c_kernels import INT, CKernel
 from .arena import ArenaPlan
 from .guards import CallGuards
 from .inputs import InputSpec, input_specs
@@ -153,6 +157,20 @@ class PyCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Kernel:
+    """KERNEL: ``target`` (a :class:`~fxrt.ops.c_kernels.CKernel` with an address) called on its
+    arguments: registers (a tensor per pointer parameter, an int per integer one) and ints."""
+
+    KIND: ClassVar[str] = "KERNEL"
+    node: int
+    target: CKernel
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]  # always empty
+    outputs: tuple[int, ...]  # the node's None
+    multi: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Free:
     KIND: ClassVar[str] = "FREE"
     regs: tuple[int, ...]
@@ -191,7 +209,7 @@ class Wait(Stream):
     protect: tuple[int, ...] = ()
 
 
-Instr = Union[Call, SymStep, PyCall, Free, Stream]
+Instr = Union[Call, SymStep, Kernel, PyCall, Free, Stream]
 
 # SYM steps: Python callable -> the name both loops know. The compiled loop computes them on
 # int64 (Python's semantics: floor division and modulo round toward negative infinity; overflow,
@@ -320,6 +338,8 @@ def _instruction(
         op = SYM_OPS.get(node.op.target)
         if op is not None and _sym_args(op, node.args) and not node.kwargs and not node.multi:
             return SymStep(i, node.op.target, op, node.args, tuple(node.outputs))
+        if _native_kernel(node):
+            return Kernel(i, node.op.target, node.args, {}, tuple(node.outputs))
         return PyCall(*args)
     slot = slot_of.get(node.outputs[0], -1)
     name = node.op.name
@@ -338,6 +358,19 @@ def _instruction(
         always = kind == "reinterpret"
         return View(*args, view=kind, ints=ints, strides=strides, offset=offset, always=always)
     return Call(*args)
+
+
+def _native_kernel(node: Any) -> bool:
+    """A call of a C kernel the compiled loop can call: an argument per parameter, each a
+    register or (for an integer parameter) an int."""
+    k = node.op.target
+    if not isinstance(k, CKernel) or not k.address or node.kwargs or node.multi:
+        return False
+    if len(node.args) != len(k.params):
+        return False
+    return all(
+        isinstance(a, Ref) or (p == INT and type(a) is int) for a, p in zip(node.args, k.params)
+    )
 
 
 def _is_ints(x: Any) -> bool:
@@ -484,6 +517,7 @@ __all__ = [
     "Demotion",
     "Free",
     "Instr",
+    "Kernel",
     "NodeInfo",
     "OutCall",
     "Program",

@@ -24,8 +24,11 @@ C++, it fails with "FX conversion only supports Triton kernels".
   traces the branch with, and the ``assert_alignment`` checks such code writes as plain source
   lines become calls.
 * execution: ``compile_graph`` hands the host graph to fxrt (:mod:`fxrt.inductor.host_graph`),
-  which runs allocations, views and extern ATen calls natively and the kernels as fallback calls,
-  on the compiled C++ loop or the Python one (``CompilerConfig.pure_python``).
+  which runs allocations, views and extern ATen calls natively, on the compiled C++ loop or the
+  Python one (``CompilerConfig.pure_python``). A C++ kernel's call targets a
+  :class:`~fxrt.ops.c_kernels.CKernel`: the compiled loop calls its C function directly with the
+  data pointers and sizes its binding would pass (a KERNEL instruction), the Python loop its
+  binding. Other kernels are Python calls (PYCALL).
 
 Where a graph's wrapper cannot run on fxrt (a line the converter does not know, a graph fxrt fails
 to compile), that graph gets Inductor's own Python wrapper instead, with one warning on the
@@ -76,6 +79,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..compiler import CompiledGraph
 from ..config import CompilerConfig
+from ..ops.c_kernels import CKernel
 from .fused_kernels import get_fused_kernel_payload
 from .host_graph import compile_host_graph, stats
 
@@ -204,6 +208,7 @@ class HostGraphConverter(FxConverter):
             node.meta["fxrt_pointer_args"] = tuple(
                 i for i, t in enumerate(line.arg_types) if str(t).rstrip().endswith("*")
             )
+            node.meta["fxrt_arg_types"] = tuple(str(t) for t in line.arg_types)
         self.kernel_calls.append((node, name, line.device.type))
 
     def _call_without_hooks(self, target: Any, args: tuple[Any, ...], name: str) -> torch.fx.Node:
@@ -297,8 +302,14 @@ class HostGraphConverter(FxConverter):
             # The parent graph's converter runs a subgraph (a torch.cond branch) on fake tensors
             # to learn its outputs' metadata; a compiled kernel cannot read fake data, and its
             # writes do not change metadata, so on fake arguments it does nothing.
-            node.target = _skipping_fake(name, kernel) if self.is_subgraph else kernel
-            node.target = _named_callable(name, node.target)
+            arg_types = node.meta.get("fxrt_arg_types")
+            if self.is_subgraph:
+                node.target = _named_callable(name, _skipping_fake(name, kernel))
+            elif arg_types is not None and kernel is self.host_kernels.get(name):
+                # Its C function, which the compiled loop calls directly (a KERNEL instruction).
+                node.target = CKernel(name, kernel, arg_types)
+            else:
+                node.target = _named_callable(name, kernel)
             payload = get_fused_kernel_payload(name)
             if payload is not None:
                 node.meta["fxrt_fused_payload"] = payload

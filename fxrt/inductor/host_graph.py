@@ -9,8 +9,9 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
    Python: ``torch.empty_strided`` (allocations) -> ``aten.empty_strided.default`` and
    ``torch.as_strided`` (Inductor's ``reinterpret_tensor`` views) -> ``aten.as_strided.default``.
    Extern kernels (``aten.addmm.out``, ``aten.bmm.out``...) and fallback ops already are
-   OpOverloads. What remains Python - Inductor's generated kernels, SymInt arithmetic - runs as
-   fxrt fallback (PYCALL) instructions inside the same loop.
+   OpOverloads. Inductor's C++ kernels are KERNEL instructions (their C functions, called
+   directly: :mod:`fxrt.ops.c_kernels`), SymInt arithmetic SYM steps; what remains Python runs
+   as fxrt fallback (PYCALL) instructions inside the same loop.
 2. Fold an allocation into the extern kernel that fills it: ``buf = empty_strided(...)`` followed
    by ``addmm.out(..., out=buf)`` as ``buf``'s first use becomes ``buf = addmm(...)``, the
    functional overload of the same op (the same ATen kernel, which allocates its own result), when
@@ -37,8 +38,9 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
 
 Why fxrt's passes and lifetime plan are safe on this graph: Inductor's kernels return nothing and
 write some of their tensor arguments (``out_ptr`` buffers allocated earlier by ``empty_strided``,
-or graph inputs mutated in place). fxrt treats every Python fallback as writing all of its
-arguments (:func:`fxrt.passes.analysis.written_values`) and as having side effects, so no pass
+or graph inputs mutated in place). fxrt treats every node whose target is not an ATen op (a
+kernel's call, KERNEL or PYCALL alike) as writing all of its arguments
+(:func:`fxrt.passes.analysis.written_values`) and as having side effects, so no pass
 drops, merges or folds anything a kernel touches. Liveness counts a kernel's arguments as uses of
 their whole alias sets (a view shares its base's lifetime), so a buffer's FREE never comes before a
 kernel that reads or writes it, through any view. Inductor's own memory planning shows up in the
