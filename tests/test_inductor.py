@@ -623,17 +623,26 @@ def test_views_become_reinterpret_tensor_with_relative_offsets(executor):
     weight_t = add(aten.as_strided.default, base, [4, 4], [1, 4], 4, val=base_val.view(4, 4).t())
     shifted = add(aten.as_strided.default, base, [2, 4], [4, 1], 12, val=base_val[8:].view(2, 4))
     prod = add(aten.mm.default, weight_t, weight_t, val=torch.empty(4, 4))
-    graph.output((prod, shifted))  # ``shifted`` is returned: it stays a real view
+    # A returned view of the graph's own buffer is Inductor's reinterpret_tensor; ``shifted``,
+    # a returned view of an input, stays a real view.
+    prod_t = add(aten.as_strided.default, prod, [4, 4], [1, 4], 0, val=torch.empty(4, 4).t())
+    graph.output((prod_t, shifted))
     gm = torch.fx.GraphModule({}, graph)
     x = torch.randn(32)[4:20]
     expected = gm(x)
-    assert use_reinterpret_views(gm) == 1
+    assert use_reinterpret_views(gm) == 2
     assert weight_t.target is torch.ops.fxrt.reinterpret_tensor.default
     assert weight_t.args == (base, [4, 4], [1, 4], 0)  # absolute 4 minus the base's 4
+    assert prod_t.target is torch.ops.fxrt.reinterpret_tensor.default
     assert shifted.target is aten.as_strided.default
     cg = fxrt.compile_graph(gm, [base_val], fxrt.CompilerConfig(pure_python=executor == "python"))
     assert cg.executor == executor
     torch.testing.assert_close(cg(x), expected)
+    other = torch.randn(32)[4:20]
+    got_t, got_shifted = cg(other)
+    torch.testing.assert_close((got_t, got_shifted), gm(other))
+    assert got_t.stride() == (1, 4) and got_shifted._base is not None
+    assert got_shifted.data_ptr() == other.data_ptr() + 8 * other.element_size()
     # Under a TorchDispatchMode the view is the op's own call, which the mode sees as the
     # as_strided it decomposes into.
     with LoggingDispatchMode() as mode:

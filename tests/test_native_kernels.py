@@ -191,3 +191,72 @@ def test_out_overload_checks_its_output():
     x = torch.randn(2, 16)
     with pytest.raises(RuntimeError, match="out has sizes"):
         torch.ops.fxrt.layer_norm.out(x, [16], None, None, 1e-5, out=torch.empty(3))
+
+
+# --- fxrt::attention ---------------------------------------------------------------------------
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _sdpa_inputs(b, h, hk, lq, s, d, layout):
+    """q, k, v with the layouts models hand attention: dense, or [B, L, H, D] seen through a
+    transpose (a projection's output)."""
+    if layout == "dense":
+        return torch.randn(b, h, lq, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    t = lambda *shape: torch.randn(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)  # noqa: E731
+    return t(b, h, lq, d), t(b, hk, s, d), t(b, hk, s, d)
+
+
+@pytest.mark.parametrize(
+    "b, h, hk, lq, s, d",
+    [(1, 4, 4, 16, 16, 16), (2, 4, 2, 7, 9, 8), (1, 8, 1, 1, 33, 20), (1, 2, 2, 40, 17, 64)],
+)
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+@pytest.mark.parametrize("causal, mask", [(False, None), (True, None), (False, "2d"), (True, "4d")])
+def test_small_attention_is_eagers(executor, b, h, hk, lq, s, d, layout, causal, mask):
+    q, k, v = _sdpa_inputs(b, h, hk, lq, s, d, layout)
+    m = {None: None, "2d": torch.randn(lq, s), "4d": torch.randn(b, 1, lq, s)}[mask]
+    scale = 0.3 if d == 20 else None
+
+    def fn(q, k, v, m):
+        return FLASH(q, k, v, 0.0, causal, attn_mask=m, scale=scale)
+
+    cg = compiled(fn, (q, k, v, m), executor)
+    assert "fxrt::attention(" in str(cg.program)
+    for args in ((q, k, v, m), (*perturbed(q, k, v), m)):  # two calls, other values
+        got, want = cg(*args), fn(*args)
+        for g, w in zip(got, want):  # output and logsumexp: same layouts, values within rounding
+            assert g.shape == w.shape and g.stride() == w.stride()
+            torch.testing.assert_close(g, w)
+
+
+def test_attention_outside_the_fast_path_is_eagers(executor):
+    q, k, v = _sdpa_inputs(1, 2, 2, 4, 6, 8, "dense")
+    mask = torch.zeros(4, 6)
+    mask[1] = float("-inf")  # a row with no key: ATen defines it (zeros), the fast path leaves it
+
+    def fn(q, k, v, m):
+        return FLASH(q, k, v, 0.0, False, attn_mask=m)
+
+    cg = compiled(fn, (q, k, v, mask), executor)
+    for got, want in zip(cg(q, k, v, mask), fn(q, k, v, mask)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    big = _sdpa_inputs(1, 4, 4, 128, 128, 64, "dense")  # above kSmallAttention: ATen's kernel
+    cg = compiled(fn, (*big, None), executor)
+    for got, want in zip(cg(*big, None), fn(*big, None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_attention_under_autograd_is_atens(executor):
+    q, k, v = (t.requires_grad_() for t in _sdpa_inputs(1, 2, 2, 5, 5, 8, "dense"))
+    fn = lambda q, k, v: FLASH(q, k, v, 0.0, True)[0]  # noqa: E731
+    cg = compiled(fn, tuple(t.detach() for t in (q, k, v)), executor)
+    got = cg(q, k, v)
+    got.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = fn(q, k, v)
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grads, [t.grad for t in (q, k, v)])

@@ -18,10 +18,14 @@
 //   deviations, and reshapes the two; on all-float32 contiguous CPU tensors fxrt::layer_norm runs
 //   the same kernel (LayerNormKernel, which skips statistics it is given no tensor for) into one
 //   result, or into the arena. Results are identical to eager's.
+//
+// fxrt::attention: aten::_scaled_dot_product_flash_attention_for_cpu's schema, for small problems
+//   (own_attention.h).
 
 #pragma once
 
 #include "inline_ops.h"
+#include "own_attention.h"
 
 #include <ATen/TensorIterator.h>
 #include <ATen/native/Activation.h>
@@ -169,11 +173,16 @@ TORCH_LIBRARY_FRAGMENT(fxrt, m) {
   m.def(
       "layer_norm.out(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
       "float eps, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def(
+      "attention(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
+      "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> "
+      "(Tensor output, Tensor logsumexp)");
 }
 
 TORCH_LIBRARY_IMPL(fxrt, CompositeImplicitAutograd, m) {
   m.impl("gelu", TORCH_FN(fxrt::gelu));
   m.impl("layer_norm", TORCH_FN(fxrt::layer_norm));
+  m.impl("attention", TORCH_FN(fxrt::attention));
 }
 
 TORCH_LIBRARY_IMPL(fxrt, CPU, m) {

@@ -25,7 +25,8 @@ as a ``torch.fx.GraphModule``. This module prepares that graph for fxrt and comp
    its input as far as the kernel can tell (it reads only the data pointer). Views of inputs the
    caller receives are kept, so it never gets an input's tensor object; a returned identity view of
    a buffer the graph allocated is that buffer. Unused views are erased.
-4. Make the views no caller receives what they are in Inductor's own Python wrapper:
+4. Make the views what they are in Inductor's own Python wrapper, except views of inputs and
+   constants that a caller receives (real views, as in eager):
    ``reinterpret_tensor``, with an offset relative to its base's (``fxrt::reinterpret_tensor``,
    see :mod:`fxrt.ops.reinterpret`: Inductor's ``inductor::_reinterpret_tensor`` lacks the alias
    annotation AOTAutograd's first-call check needs). The converter's ``as_strided`` offsets are
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
 import weakref
 from collections import Counter
@@ -247,6 +249,18 @@ def _returned(node: torch.fx.Node) -> bool:
     return any(user.op == "output" for user in node.users)
 
 
+def _allocated(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a tensor the graph made: the result of an ATen op (or one result of a
+    multi-output one) that its schema says is fresh, not an alias of an argument."""
+    if node.op != "call_function":
+        return False
+    target, index = node.target, 0
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        target, index = node.args[0].target, node.args[1]
+    returns = getattr(getattr(target, "_schema", None), "returns", ())
+    return type(index) is int and index < len(returns) and returns[index].alias_info is None
+
+
 def simplify_views(gm: torch.fx.GraphModule) -> int:
     """Drop the ``as_strided`` views the host graph does not need (step 3 of the module
     docstring), in place.
@@ -311,8 +325,9 @@ def simplify_views(gm: torch.fx.GraphModule) -> int:
 
 
 def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
-    """Turn the ``as_strided`` views no caller receives into ``fxrt::reinterpret_tensor``
-    (step 4 of the module docstring), in place, where the geometry is static.
+    """Turn the ``as_strided`` views that are not returned views of inputs into
+    ``fxrt::reinterpret_tensor`` (step 4 of the module docstring), in place, where the geometry
+    is static.
 
     Returns:
         How many views were rewritten.
@@ -321,9 +336,11 @@ def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
     for view in gm.graph.nodes:
         if view.op != "call_function" or view.target is not aten.as_strided.default:
             continue
-        if len(view.args) != 4 or view.kwargs or _returned(view):
+        if len(view.args) != 4 or view.kwargs:
             continue
         base, sizes, strides, offset = view.args
+        if _returned(view) and not (isinstance(base, torch.fx.Node) and _allocated(base)):
+            continue  # a caller gets a view of an input or constant: a real one, as in eager
         geometry = _geometry(base.meta.get("val")) if isinstance(base, torch.fx.Node) else None
         if geometry is None or _static_ints(sizes) is None or _static_ints(strides) is None:
             continue

@@ -1,0 +1,273 @@
+// fxrt::attention(Tensor query, Tensor key, Tensor value, float dropout_p=0., bool is_causal=False,
+//                 *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)
+//
+// aten::_scaled_dot_product_flash_attention_for_cpu (what scaled_dot_product_attention runs on the
+// CPU), for the small problems of host-bound inference: ATen's flash kernel allocates its blocks'
+// buffers and goes through a parallel loop and two BLAS calls per block, about 20 us on a
+// 4-head 16x16 problem whose math takes 1-2 us. Up to kSmallAttention multiply-adds, on float32
+// CPU tensors whose last dimension is dense, with no dropout and an additive float mask or none,
+// fxrt::attention computes each head directly: scores = scale * q k^T (+ mask; keys after the
+// query's position dropped when causal, top-left aligned as ATen's), their softmax, its product
+// with v. Results and layouts are ATen's (the output laid out as the query, logsumexp [B, H, L] as
+// [B, L, H]); values differ from ATen's in the last bits (ATen's exponential is a
+// vectorized approximation, so is this one: relative error below 2e-7). Grouped-query attention
+// (fewer key/value heads than query heads) maps query head h to key/value head h / (H / Hk), as
+// ATen does. Anything else, or a row whose every key is masked (ATen defines its output as zeros),
+// is ATen's own call.
+
+#pragma once
+
+#include "inline_ops.h"
+
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace fxrt {
+
+constexpr int64_t kSmallAttention = int64_t{1} << 18;  // B * H * L * S * D multiply-adds
+
+namespace attention_detail {
+
+struct Head {
+  const float* q;  // row i at q + i * q_row
+  const float* k;
+  const float* v;
+  const float* mask;  // element (i, j) at mask + i * mask_row + j * mask_col, or nullptr
+  float* out;  // row i at out + i * out_row
+  float* lse;  // element i at lse + i * lse_row
+  int64_t q_row, k_row, v_row, mask_row, mask_col, out_row, lse_row;
+};
+
+constexpr int64_t kLanes = 16;  // the width of the blocks whose sums stay in vector registers
+
+// kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones...).
+using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
+
+using IntLanes = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+constexpr Lanes kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr Lanes kNegInf = {-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf,
+                           -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf};
+
+[[gnu::always_inline]] inline Lanes load_lanes(const float* src) {
+  Lanes v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+
+// e^x for x <= 0, lane by lane (x below -87, -inf included, gives 0): Cephes' expf polynomial
+// after reducing by ln 2; relative error below 2e-7.
+[[gnu::always_inline]] inline Lanes exp_nonpositive(Lanes x) {
+  const Lanes round = x * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23: to nearest
+  const Lanes n = round - 12582912.0f;
+  const Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Lanes p = 1.9875691500e-4f + r * 0.0f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  IntLanes bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += __builtin_convertvector(n, IntLanes) << 23;
+  bits &= (x > -87.0f);  // all ones where kept
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+inline int64_t padded(int64_t n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+// One head: L queries over S keys of D features, in blocks of kLanes keys (scores) and kLanes
+// features (the weighted sum of values), each block's sums held in registers. `kt` (D x Sp, the
+// keys transposed), `vp` (S x Dp, the values) and `p` (Sp) are scratch, zero where padded (Sp and
+// Dp are S and D rounded up to kLanes). False when a row has no key left (ATen's call then
+// computes the whole problem). Compiled for each vector width and picked at load time.
+[[gnu::target_clones("avx512f", "avx2", "default")]] static bool run_head(
+    const Head& h,
+    int64_t L,
+    int64_t S,
+    int64_t D,
+    float scale,
+    bool causal,
+    float* kt,
+    float* vp,
+    float* p) {
+  const int64_t Sp = padded(S), Dp = padded(D);
+  for (int64_t j = 0; j < S; ++j) {
+    const float* k = h.k + j * h.k_row;
+    const float* v = h.v + j * h.v_row;
+    for (int64_t d = 0; d < D; ++d) {
+      kt[d * Sp + j] = k[d];
+      vp[j * Dp + d] = v[d];
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t n = causal ? std::min(i + 1, S) : S;
+    const float* q = h.q + i * h.q_row;
+    const float* m = h.mask != nullptr ? h.mask + i * h.mask_row : nullptr;
+    // Scores, block by block: scaled, masked, keys past n at -inf; their maximum.
+    Lanes top = kNegInf;
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      Lanes acc = {};
+      for (int64_t d = 0; d < D; ++d) {
+        acc += q[d] * load_lanes(kt + d * Sp + j0);
+      }
+      acc *= scale;
+      if (m != nullptr) {
+        Lanes add = {};
+        for (int64_t l = 0; l < std::min(kLanes, n - j0); ++l) {
+          add[l] = m[(j0 + l) * h.mask_col];
+        }
+        acc += add;
+      }
+      acc = kIota + static_cast<float>(j0) < static_cast<float>(n) ? acc : kNegInf;
+      top = top > acc ? top : acc;
+      std::memcpy(p + j0, &acc, sizeof(acc));
+    }
+    float max = top[0];
+    for (int64_t l = 1; l < kLanes; ++l) {
+      max = std::max(max, top[l]);
+    }
+    if (max == -std::numeric_limits<float>::infinity()) {
+      return false;
+    }
+    Lanes total = {};
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      Lanes e = exp_nonpositive(load_lanes(p + j0) - max);
+      total += e;
+      std::memcpy(p + j0, &e, sizeof(e));
+    }
+    float sum = 0.0f;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      sum += total[l];
+    }
+    const float inv = 1.0f / sum;
+    float* out = h.out + i * h.out_row;
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+      Lanes acc = {};
+      for (int64_t j = 0; j < n; ++j) {
+        acc += p[j] * load_lanes(vp + j * Dp + d0);
+      }
+      acc *= inv;
+      std::memcpy(out + d0, &acc, sizeof(float) * std::min(kLanes, D - d0));
+    }
+    h.lse[i * h.lse_row] = max + std::log(sum);
+  }
+  return true;
+}
+
+inline bool plain_f32(const at::Tensor& t) {
+  return plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+      !(c10::GradMode::is_enabled() && t.requires_grad());
+}
+
+// Whether the fast path takes these arguments.
+inline bool small_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    double dropout_p,
+    const std::optional<at::Tensor>& mask) {
+  if (dropout_p != 0.0 || !plain_f32(q) || !plain_f32(k) || !plain_f32(v) || q.dim() != 4 ||
+      k.dim() != 4 || v.dim() != 4) {
+    return false;
+  }
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), S = k.size(2);
+  if (k.size(0) != B || v.size(0) != B || v.size(1) != Hk || v.size(2) != S || k.size(3) != D ||
+      v.size(3) != D || Hk == 0 || H % Hk != 0 || L == 0 || S == 0 || D == 0) {
+    return false;
+  }
+  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) {
+    return false;
+  }
+  if (B * H * L * S * D > kSmallAttention) {
+    return false;
+  }
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor& m = *mask;
+    if (!plain_f32(m) || m.dim() > 4) {
+      return false;
+    }
+    std::vector<int64_t> shape{B, H, L, S};
+    for (int64_t d = 0; d < m.dim(); ++d) {
+      int64_t size = m.size(m.dim() - 1 - d);
+      if (size != 1 && size != shape[3 - d]) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace attention_detail
+
+inline std::tuple<at::Tensor, at::Tensor> attention(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    double dropout_p,
+    bool is_causal,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale) {
+  using namespace attention_detail;
+  if (small_attention(query, key, value, dropout_p, attn_mask)) {
+    const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
+    const int64_t Hk = key.size(1), S = key.size(2);
+    const float s = scale.has_value() ? static_cast<float>(*scale)
+                                      : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    // ATen's layout: the query's when it is dense, else contiguous; features dense either way.
+    at::Tensor out = at::empty_like(query);
+    at::Tensor lse = at::empty({B, L, H}, query.options());
+    at::Tensor mask;
+    if (attn_mask.has_value() && attn_mask->defined()) {
+      mask = attn_mask->expand({B, H, L, S});
+    }
+    const int64_t Sp = padded(S), Dp = padded(D);
+    std::vector<float> scratch(static_cast<size_t>(D * Sp + S * Dp + Sp));  // zeros
+    bool ok = true;
+    for (int64_t b = 0; b < B && ok; ++b) {
+      for (int64_t hq = 0; hq < H && ok; ++hq) {
+        const int64_t hk = hq / (H / Hk);
+        Head h{
+            query.const_data_ptr<float>() + b * query.stride(0) + hq * query.stride(1),
+            key.const_data_ptr<float>() + b * key.stride(0) + hk * key.stride(1),
+            value.const_data_ptr<float>() + b * value.stride(0) + hk * value.stride(1),
+            mask.defined() ? mask.const_data_ptr<float>() + b * mask.stride(0) + hq * mask.stride(1)
+                           : nullptr,
+            out.mutable_data_ptr<float>() + b * out.stride(0) + hq * out.stride(1),
+            lse.mutable_data_ptr<float>() + b * L * H + hq,
+            query.stride(2),
+            key.stride(2),
+            value.stride(2),
+            mask.defined() ? mask.stride(2) : 0,
+            mask.defined() ? mask.stride(3) : 0,
+            out.stride(2),
+            H};
+        float* kt = scratch.data();
+        ok = run_head(h, L, S, D, s, is_causal, kt, kt + D * Sp, kt + D * Sp + S * Dp);
+      }
+    }
+    if (ok) {
+      return {out, lse.transpose(1, 2)};
+    }
+  }
+  return at::_scaled_dot_product_flash_attention_for_cpu(
+      query, key, value, dropout_p, is_causal, attn_mask, scale);
+}
+
+}  // namespace fxrt
