@@ -35,16 +35,64 @@ def build_requested() -> bool:
     return os.environ.get("FXRT_BUILD_EXT", "1").strip().lower() not in _FALSE
 
 
-def cpu_stub_macros() -> list[tuple[str, str]]:
-    """The CPU capabilities torch was built with, as ATen's DispatchStub.h expects them.
+def cpu_stub_macros(cpp_extension) -> list[tuple[str, str]]:
+    """The CPU capabilities the installed torch was built with, as ATen's DispatchStub.h expects
+    them, and FXRT_CPU_STUBS; none when no known set links.
 
-    Calling one of ATen's CPU kernels through its DispatchStub (fxrt/_speedups/own_ops.h) links
-    against ``DispatchStubImpl::get_call_ptr``, whose parameters are one function pointer per
-    capability the torch build has: on x86-64, AVX512 and AVX2. Elsewhere the macros stay unset
-    and own_ops.h calls the ATen op instead.
+    fxrt's own ops (fxrt/_speedups/own_ops.h) call ATen's CPU kernels through their DispatchStubs,
+    whose declarations depend on macros torch's build set and its headers do not record (AVX512
+    and AVX2 on x86-64, SVE on aarch64, ...). fxrt/_speedups/cpu_stubs_probe.cpp links only with
+    the right ones, so each known set is tried (the likely one first); without a match the own ops
+    call the ATen op instead of the kernel. csrc/cmake/cpu_stubs.cmake does the same for the C++
+    runtime.
     """
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        return [("HAVE_AVX512_CPU_DEFINITION", "1"), ("HAVE_AVX2_CPU_DEFINITION", "1")]
+    import shutil
+    import subprocess
+    import tempfile
+
+    cxx = os.environ.get("CXX", "c++").split()
+    probe = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "fxrt", "_speedups", "cpu_stubs_probe.cpp"
+    )
+    if not os.path.exists(probe) or shutil.which(cxx[0]) is None:
+        return []
+    candidates = [
+        ["HAVE_AVX512_CPU_DEFINITION", "HAVE_AVX2_CPU_DEFINITION"],
+        ["HAVE_SVE_CPU_DEFINITION"],
+        ["HAVE_AVX2_CPU_DEFINITION"],
+        ["HAVE_VSX_CPU_DEFINITION"],
+        ["HAVE_ZVECTOR_CPU_DEFINITION"],
+        [],
+    ]
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        candidates.insert(0, candidates.pop(1))
+    import torch
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{d}" for d in cpp_extension.include_paths()]
+    libs = [f"-L{d}" for d in cpp_extension.library_paths()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for defs in candidates:
+            cmd = [
+                *cxx,
+                "-std=c++20",
+                "-O0",
+                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                *[f"-D{d}=1" for d in defs],
+                *includes,
+                probe,
+                "-o",
+                os.path.join(tmp, "probe"),
+                *libs,
+                "-ltorch_cpu",
+                "-lc10",
+            ]
+            if subprocess.run(cmd, capture_output=True).returncode == 0:
+                return [(d, "1") for d in defs] + [("FXRT_CPU_STUBS", "1")]
+    print(
+        "fxrt: no known DispatchStub declaration links with this torch; fxrt's own ops call the "
+        "ATen ops instead of their CPU kernels"
+    )
     return []
 
 
@@ -88,7 +136,7 @@ def extensions() -> list:
         define_macros=[
             ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
-            *cpu_stub_macros(),
+            *cpu_stub_macros(cpp_extension),
         ],
         extra_compile_args=[
             "-std=c++20",
