@@ -10,7 +10,6 @@ LD_LIBRARY_PATH.
 """
 
 import os
-import platform
 from glob import glob
 
 from setuptools import setup
@@ -37,63 +36,29 @@ def build_requested() -> bool:
 
 def cpu_stub_macros(cpp_extension) -> list[tuple[str, str]]:
     """The CPU capabilities the installed torch was built with, as ATen's DispatchStub.h expects
-    them, and FXRT_CPU_STUBS; none when no known set links.
+    them, and FXRT_CPU_STUBS; none when no known set links (fxrt/_speedups/cpu_stubs.py, loaded by
+    its path: importing fxrt here would import torch's Python side for nothing)."""
+    import importlib.util
 
-    fxrt's own ops (fxrt/_speedups/own_ops.h) call ATen's CPU kernels through their DispatchStubs,
-    whose declarations depend on macros torch's build set and its headers do not record (AVX512
-    and AVX2 on x86-64, SVE on aarch64, ...). fxrt/_speedups/cpu_stubs_probe.cpp links only with
-    the right ones, so each known set is tried (the likely one first); without a match the own ops
-    call the ATen op instead of the kernel. csrc/cmake/cpu_stubs.cmake does the same for the C++
-    runtime.
-    """
-    import shutil
-    import subprocess
-    import tempfile
-
-    cxx = os.environ.get("CXX", "c++").split()
-    probe = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "fxrt", "_speedups", "cpu_stubs_probe.cpp"
-    )
-    if not os.path.exists(probe) or shutil.which(cxx[0]) is None:
-        return []
-    candidates = [
-        ["HAVE_AVX512_CPU_DEFINITION", "HAVE_AVX2_CPU_DEFINITION"],
-        ["HAVE_SVE_CPU_DEFINITION"],
-        ["HAVE_AVX2_CPU_DEFINITION"],
-        ["HAVE_VSX_CPU_DEFINITION"],
-        ["HAVE_ZVECTOR_CPU_DEFINITION"],
-        [],
-    ]
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        candidates.insert(0, candidates.pop(1))
     import torch
 
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{d}" for d in cpp_extension.include_paths()]
-    libs = [f"-L{d}" for d in cpp_extension.library_paths()]
-    with tempfile.TemporaryDirectory() as tmp:
-        for defs in candidates:
-            cmd = [
-                *cxx,
-                "-std=c++20",
-                "-O0",
-                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                *[f"-D{d}=1" for d in defs],
-                *includes,
-                probe,
-                "-o",
-                os.path.join(tmp, "probe"),
-                *libs,
-                "-ltorch_cpu",
-                "-lc10",
-            ]
-            if subprocess.run(cmd, capture_output=True).returncode == 0:
-                return [(d, "1") for d in defs] + [("FXRT_CPU_STUBS", "1")]
-    print(
-        "fxrt: no known DispatchStub declaration links with this torch; fxrt's own ops call the "
-        "ATen ops instead of their CPU kernels"
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "fxrt_cpu_stubs", os.path.join(here, "fxrt", "_speedups", "cpu_stubs.py")
     )
-    return []
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    macros = module.stub_macros(
+        cpp_extension.include_paths(),
+        cpp_extension.library_paths(),
+        int(torch._C._GLIBCXX_USE_CXX11_ABI),
+    )
+    if not macros:
+        print(
+            "fxrt: no known DispatchStub declaration links with this torch (or no compiler to "
+            "try); fxrt's own ops call the ATen ops instead of their CPU kernels"
+        )
+    return macros
 
 
 def extensions() -> list:

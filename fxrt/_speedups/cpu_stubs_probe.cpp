@@ -1,6 +1,6 @@
-// A probe the builds (setup.py, csrc/cmake/cpu_stubs.cmake) compile and link against the installed
-// torch to learn how it declares ATen's CPU DispatchStubs, which fxrt's own ops call
-// (own_ops.h).
+// A probe the builds (setup.py through cpu_stubs.py, csrc/cmake/cpu_stubs.cmake) compile and link
+// against the installed torch to learn how it declares ATen's CPU DispatchStubs, which fxrt's own
+// ops call (own_ops.h).
 //
 // DispatchStub.h declares DispatchStubImpl::get_call_ptr with one parameter per CPU capability
 // torch was built with (HAVE_AVX512_CPU_DEFINITION, HAVE_SVE_CPU_DEFINITION, ...: macros torch's
