@@ -10,7 +10,6 @@ LD_LIBRARY_PATH.
 """
 
 import os
-import platform
 from glob import glob
 
 from setuptools import setup
@@ -35,17 +34,31 @@ def build_requested() -> bool:
     return os.environ.get("FXRT_BUILD_EXT", "1").strip().lower() not in _FALSE
 
 
-def cpu_stub_macros() -> list[tuple[str, str]]:
-    """The CPU capabilities torch was built with, as ATen's DispatchStub.h expects them.
+def cpu_stub_macros(cpp_extension) -> list[tuple[str, str]]:
+    """The CPU capabilities the installed torch was built with, as ATen's DispatchStub.h expects
+    them, and FXRT_CPU_STUBS; none when no known set links (fxrt/_speedups/cpu_stubs.py, loaded by
+    its path: importing fxrt here would import torch's Python side for nothing)."""
+    import importlib.util
 
-    Calling one of ATen's CPU kernels through its DispatchStub (fxrt/_speedups/own_ops.h) links
-    against ``DispatchStubImpl::get_call_ptr``, whose parameters are one function pointer per
-    capability the torch build has: on x86-64, AVX512 and AVX2. Elsewhere the macros stay unset
-    and own_ops.h calls the ATen op instead.
-    """
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        return [("HAVE_AVX512_CPU_DEFINITION", "1"), ("HAVE_AVX2_CPU_DEFINITION", "1")]
-    return []
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "fxrt_cpu_stubs", os.path.join(here, "fxrt", "_speedups", "cpu_stubs.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    macros = module.stub_macros(
+        cpp_extension.include_paths(),
+        cpp_extension.library_paths(),
+        int(torch._C._GLIBCXX_USE_CXX11_ABI),
+    )
+    if not macros:
+        print(
+            "fxrt: no known DispatchStub declaration links with this torch (or no compiler to "
+            "try); fxrt's own ops call the ATen ops instead of their CPU kernels"
+        )
+    return macros
 
 
 def extensions() -> list:
@@ -88,7 +101,7 @@ def extensions() -> list:
         define_macros=[
             ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
             ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
-            *cpu_stub_macros(),
+            *cpu_stub_macros(cpp_extension),
         ],
         extra_compile_args=[
             "-std=c++20",

@@ -4,7 +4,9 @@ tree and torch: CMake and the C++ compiler, against the libtorch of the installe
 The build directory is cached under ``$XDG_CACHE_HOME`` (or the temporary directory), keyed by
 the sources (the runtime, the compiled loop's headers, the runner) and the torch version, so the
 suite pays for it (about two minutes on two cores) only when one of them changes. Concurrent test
-processes build it once (a file lock).
+processes build it once (a file lock). The build tree is kept: :func:`install` installs the
+runtime from it (``cmake --install``) and :func:`build_consumer` builds the runner again against
+that installed package.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [
     *sorted((ROOT / "csrc").rglob("*")),
     *sorted((ROOT / "fxrt" / "_speedups").glob("*.h")),
+    ROOT / "fxrt" / "_speedups" / "cpu_stubs_probe.cpp",
     *sorted((ROOT / "examples" / "cpp_runner").glob("*")),
 ]
 
@@ -55,23 +58,41 @@ def build() -> Path:
     return _built
 
 
+def _tools() -> str:
+    cmake = shutil.which("cmake")
+    if cmake is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise Unavailable("no cmake or C++ compiler to build examples/cpp_runner")
+    return cmake
+
+
+def _run_steps(steps: list[list[str]], what: str) -> None:
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{what} failed ({' '.join(cmd)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
+
+
+def _jobs() -> str:
+    return str(min(os.cpu_count() or 1, 4))
+
+
 def _build() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir())
     out = base / "fxrt-test-build" / f"cpp-runner-{_key()}"
     exe = out / "fxrt_runner"
     if exe.exists():
         return exe
-    cmake = shutil.which("cmake")
-    if cmake is None or shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise Unavailable("no cmake or C++ compiler to build examples/cpp_runner")
+    cmake = _tools()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if exe.exists():
             return exe
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=out))
-        try:
-            steps = [
+        work = out / "build"  # kept for install(); a build that failed halfway resumes here
+        _run_steps(
+            [
                 [
                     cmake,
                     "-S",
@@ -81,19 +102,64 @@ def _build() -> Path:
                     f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
                     "-DCMAKE_BUILD_TYPE=Release",
                 ],
-                [cmake, "--build", str(work), "-j", str(min(os.cpu_count() or 1, 4))],
-            ]
-            for cmd in steps:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"building examples/cpp_runner failed ({' '.join(cmd)}):\n"
-                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                    )
-            os.replace(work / "fxrt_runner", exe)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+                [cmake, "--build", str(work), "-j", _jobs()],
+            ],
+            "building examples/cpp_runner",
+        )
+        shutil.copy2(work / "fxrt_runner", out / "fxrt_runner.tmp")
+        os.replace(out / "fxrt_runner.tmp", exe)
     return exe
+
+
+def build_dir() -> Path:
+    """The runner's CMake build tree (which builds the runtime with add_subdirectory)."""
+    return build().parent / "build"
+
+
+def install(prefix: Path) -> None:
+    """``cmake --install`` the runtime built for the runner into ``prefix``."""
+    _run_steps([[_tools(), "--install", str(build_dir()), "--prefix", str(prefix)]], "install")
+
+
+def build_consumer(prefix: Path, work: Path) -> Path:
+    """The runner built again, against the runtime installed in ``prefix``
+    (``find_package(fxrt CONFIG REQUIRED)``, ``-DFXRT_RUNNER_INSTALLED=ON``); its binary."""
+    cmake = _tools()
+    _run_steps(
+        [
+            [
+                cmake,
+                "-S",
+                str(ROOT / "examples" / "cpp_runner"),
+                "-B",
+                str(work),
+                "-DFXRT_RUNNER_INSTALLED=ON",
+                f"-DCMAKE_PREFIX_PATH={prefix}",
+                "-DCMAKE_BUILD_TYPE=Release",
+            ],
+            [cmake, "--build", str(work), "-j", _jobs()],
+        ],
+        "building examples/cpp_runner against the installed runtime",
+    )
+    return work / "fxrt_runner"
+
+
+def configure(source: Path, work: Path, *defs: str) -> subprocess.CompletedProcess[str]:
+    """CMake's configure step alone for the project at ``source`` (torch on the prefix path)."""
+    return subprocess.run(
+        [
+            _tools(),
+            "-S",
+            str(source),
+            "-B",
+            str(work),
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            *defs,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

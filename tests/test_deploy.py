@@ -179,6 +179,45 @@ def test_gpt2_tied_weights_stored_once(gpt2) -> None:
     assert "lm_head.weight" not in st and "transformer.wte.weight" in st
 
 
+def test_int_inputs(executor: str, tmp_path: Path) -> None:
+    """An int exported as ``Dim.DYNAMIC`` (unbounded, or with a range) is a SymInt input of the
+    graph: eager's answers, an int output, and errors naming it for a value outside its range, a
+    value that disagrees with a tensor dim of the same symbol, and a non-int."""
+
+    class Grid(torch.nn.Module):
+        def forward(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+            return x.new_zeros(n, 2) + x[:n].sum(), n + 1
+
+    class Ones(torch.nn.Module):
+        def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+            return x + torch.ones(n)
+
+    d = Dim.DYNAMIC
+    grid, ones = tmp_path / "grid.fxrt", tmp_path / "ones.fxrt"
+    fxrt.export(Grid(), (torch.randn(6), 3), dynamic_shapes=(None, d(min=1, max=6))).save(grid)
+    fxrt.export(Ones(), (torch.randn(3), 3), dynamic_shapes=({0: d}, d)).save(ones)
+    g, o = _load(grid, executor), _load(ones, executor)
+    for n in (2, 4, 6):
+        x = torch.randn(6)
+        out, m = g(x, n)
+        want, want_m = Grid()(x, n)
+        torch.testing.assert_close(out, want)
+        assert type(m) is int and m == want_m
+    x = torch.randn(5)
+    torch.testing.assert_close(o(x, 5), Ones()(x, 5))
+    for f, args, match in [
+        (
+            g,
+            (torch.randn(6), 7),
+            r"input 'n' \(args\[1\]\): 7 is outside the range of s\d+, \[\d, 6\]",
+        ),
+        (o, (x, 4), r"input 'n' \(args\[1\]\): 4, but s\d+ = 5 from input 'x' \(args\[0\]\) dim 0"),
+        (o, (x, 5.0), r"input 'n' \(args\[1\]\): expected an int, got a float"),
+    ]:
+        with pytest.raises(fxrt.InputError, match=match):
+            f(*args)
+
+
 def test_nested_inputs_kwargs_outputs(executor: str, nested_package) -> None:
     model, path = nested_package
     m = _load(path, executor)

@@ -4,18 +4,26 @@ and eager, and hostile files.
 The runner is built once per source tree and torch (:mod:`cpp_runner`; the tests skip only when
 there is no CMake or C++ compiler). Covered: W1-W3 and a tiny random-weight GPT-2 (kwargs, a
 dynamic sequence length, a constant input) give eager's answers and exactly ``fxrt.load``'s
-(both loops); threads share one model; inputs outside the exported signature are refused
-naming the input; damaged, truncated and forged files (manifest and program changes re-hashed
-so that validation, not the hash, must refuse them, and a fuzz loop) are refused with a message
-and a non-zero exit, never a crash; packages with Python fallbacks are refused naming the node;
-``fxrt.load`` refuses a package whose stored program differs from its graph.
+(both loops); int inputs (SymInts of the graph; an int output) likewise, and their errors are
+``fxrt.load``'s; threads share one model; inputs outside the exported signature are refused
+naming the input; ``LoadOptions::device`` (the CPU keeps the weights mapped; the meta device
+stands in for another device type; one that is not there is named); ``update_weights`` (new
+answers, Python's errors word for word, tied names, and threads that never see a mix of two
+weight sets while another swaps them); the installed package (``cmake --install``, then
+``find_package(fxrt)`` in another project); the DispatchStub probe; damaged, truncated and
+forged files (manifest and program changes re-hashed so that validation, not the hash, must
+refuse them, and a fuzz loop) are refused with a message and a non-zero exit, never a crash;
+packages with Python fallbacks are refused naming the node; ``fxrt.load`` refuses a package whose
+stored program differs from its graph.
 """
 
 from __future__ import annotations
 
 import copy
+import platform
 import random
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,10 +68,12 @@ def w_packages(store: Path) -> dict[str, tuple[Any, tuple, Path]]:
     return out
 
 
-def _run_cpp(runner: Any, path: Path, inputs: list[torch.Tensor], tmp: Path) -> list[torch.Tensor]:
+def _run_cpp(
+    runner: Any, path: Path, inputs: list[torch.Tensor], tmp: Path, *extra: str
+) -> list[torch.Tensor]:
     src, dst = tmp / f"{path.stem}-in.safetensors", tmp / f"{path.stem}-out.safetensors"
     save_tensors(src, {str(i): t for i, t in enumerate(inputs)})
-    proc = runner(str(path), "--inputs", str(src), "--output", str(dst))
+    proc = runner(str(path), "--inputs", str(src), "--output", str(dst), *extra)
     assert proc.returncode == 0, proc.stderr
     out = load_tensors(dst)
     return [out[str(i)] for i in range(len(out))]
@@ -380,3 +390,301 @@ def test_multi_stream_package_runs_in_python_and_is_refused_in_cpp(runner: Any, 
     proc = runner(str(tmp_path / "streams.fxrt"), "--random")
     assert proc.returncode == 2, proc.stderr
     assert "switches streams" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Int inputs: Python ints the export kept symbolic (SymInt placeholders of the graph)
+
+
+class _Scale(torch.nn.Module):  # an int with a range of its own
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n + n
+
+
+class _Ones(torch.nn.Module):  # an int that is the same size symbol as a tensor dim
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x + torch.ones(n)
+
+
+class _Grid(torch.nn.Module):  # an int used as a size, and an int output (a SYM step)
+    def forward(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        return x.new_zeros(n, 2) + x.sum(), n + 1
+
+
+@pytest.fixture(scope="module")
+def int_packages(store: Path) -> dict[str, tuple[Any, Path]]:
+    d = Dim.DYNAMIC
+    out = {}
+    for name, model, args, dyn in [
+        ("scale", _Scale(), (torch.randn(3), 4), (None, Dim.DYNAMIC(min=1, max=10))),
+        ("ones", _Ones(), (torch.randn(3), 3), ({0: d}, d)),
+        ("grid", _Grid(), (torch.randn(3), 3), ({0: d}, d)),
+    ]:
+        pkg = fxrt.export(model, args, dynamic_shapes=dyn)
+        assert pkg.manifest["info"]["cpp"] is None
+        assert [s["kind"] for s in pkg.manifest["signature"]["inputs"]] == ["tensor", "symint"]
+        path = store / f"int-{name}.fxrt"
+        pkg.save(path)
+        out[name] = (model, path)
+    return out
+
+
+def _leaves(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@pytest.mark.parametrize(
+    "name,calls",
+    [("scale", [(3, 7), (3, 1), (3, 10)]), ("ones", [(4, 4), (9, 9)]), ("grid", [(3, 5), (6, 2)])],
+)
+def test_int_inputs_cpp_equals_load_equals_eager(
+    name: str, calls: list[tuple[int, int]], runner: Any, int_packages, tmp_path: Path
+) -> None:
+    model, path = int_packages[name]
+    for size, n in calls:
+        x = torch.randn(size)
+        with torch.inference_mode():
+            eager = _leaves(model(x, n))
+            loads = [_leaves(_loaded(path, p)(x, n)) for p in (False, True)]
+        cpp = _run_cpp(runner, path, [x, torch.tensor(n)], tmp_path)  # an int: a 0-dim int64
+        for got in (cpp, *loads):
+            assert len(got) == len(eager)
+            for g, e in zip(got, eager):
+                if isinstance(e, int):  # the C++ runner writes an int output as a 0-dim tensor
+                    assert int(g) == e and (got is cpp or type(g) is int)
+                else:
+                    torch.testing.assert_close(g, e)
+
+
+def test_int_input_errors_name_the_input(runner: Any, int_packages, tmp_path: Path) -> None:
+    """The C++ runtime refuses what fxrt.load refuses, with the same words."""
+    n_in = r"input 'n' \(args\[1\]\): "
+    cases = [
+        ("scale", 3, 11, n_in + r"11 is outside the range of s\d+, \[1, 10\]"),
+        ("scale", 3, 0, n_in + r"0 is outside the range of s\d+, \[1, 10\]"),
+        ("ones", 4, 3, n_in + r"3, but s\d+ = 4 from input 'x' \(args\[0\]\) dim 0"),
+        ("scale", 3, 2.0, n_in + "expected an int, got a"),
+    ]
+    for name, size, n, match in cases:
+        _, path = int_packages[name]
+        x = torch.randn(size)
+        for pure in (False, True):
+            with pytest.raises(fxrt.InputError, match=match):
+                _loaded(path, pure)(x, n)
+        src = tmp_path / "bad.safetensors"
+        save_tensors(src, {"0": x, "1": torch.tensor(n)})
+        proc = runner(str(path), "--inputs", str(src))
+        assert proc.returncode == 3, proc.stderr
+        assert re.search(match, proc.stderr), proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# LoadOptions::device
+
+
+def _mapped(stdout: str) -> tuple[int, int, str]:
+    m = re.search(r"weights: (\d+) of (\d+) mapped from the file, on (\S+)", stdout)
+    assert m, stdout
+    return int(m[1]), int(m[2]), m[3]
+
+
+class _Affine(torch.nn.Module):  # ops whose meta kernels are in libtorch (no Python ones)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
+
+def test_device_option(runner: Any, w_packages, tmp_path: Path) -> None:
+    model, (x,), path = w_packages["W2"]
+    x = torch.randn_like(x)
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_tensors(src, {"0": x})
+    proc = runner(str(path), "--inputs", str(src), "--output", str(dst), "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    n, total, dev = _mapped(proc.stdout)
+    assert n == total == 16 and dev == "cpu"  # the CPU keeps the weights in the mapped file
+    with torch.inference_mode():
+        torch.testing.assert_close(load_tensors(dst)["0"], model(x))
+        for pure in (False, True):
+            loaded = fxrt.load(path, device="cpu", options={"pure_python": pure})
+            torch.testing.assert_close(load_tensors(dst)["0"], loaded(x))
+    # Another device type (the meta device stands in for an accelerator): the program's devices
+    # are retargeted, the weights copied there, and it runs without the export's arena.
+    torch.manual_seed(0)
+    affine = tmp_path / "affine.fxrt"
+    fxrt.export(_Affine().eval(), (torch.randn(2, 8),)).save(affine)
+    proc = runner(str(affine), "--random", "--device", "meta")
+    assert proc.returncode == 0, proc.stderr
+    assert _mapped(proc.stdout) == (0, 2, "meta")
+    assert "output 0: Float[2, 4] on meta" in proc.stdout
+    for pure in (False, True):
+        meta = fxrt.load(affine, device="meta", options={"pure_python": pure, "arena": False})
+        assert meta(torch.empty(2, 8, device="meta")).shape == (2, 4)
+    if not torch.cuda.is_available():
+        proc = runner(str(path), "--random", "--device", "cuda")
+        assert proc.returncode == 4, proc.stderr
+        assert "fxrt: device cuda is not available in this process" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# update_weights
+
+
+def _save_weights(path: Path, weights: dict[str, torch.Tensor]) -> Path:
+    save_tensors(path, {k: v.detach().contiguous() for k, v in weights.items()})
+    return path
+
+
+def test_update_weights_cpp(runner: Any, w_packages, tmp_path: Path) -> None:
+    model, (x,), path = w_packages["W2"]
+    torch.manual_seed(5)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.normal_()
+    new = _save_weights(tmp_path / "other.safetensors", other.state_dict())
+    (cpp,) = _run_cpp(runner, path, [x], tmp_path, "--weights", str(new))
+    with torch.inference_mode():
+        torch.testing.assert_close(cpp, other(x))
+        for pure in (False, True):
+            m = _loaded(path, pure)
+            m.update_weights(other.state_dict())
+            torch.testing.assert_close(cpp, m(x))
+    proc = runner(str(path), "--random", "--weights", str(new))
+    assert _mapped(proc.stdout)[0] == 0  # the new weights are the file's tensors, not the package's
+    # Non-strict: one tensor changes, the rest stay the package's.
+    part = {"layers.0.bias": other.layers[0].bias}
+    one = _save_weights(tmp_path / "one.safetensors", part)
+    (cpp,) = _run_cpp(runner, path, [x], tmp_path, "--weights", str(one), "--non-strict")
+    mixed = copy.deepcopy(model)
+    mixed.layers[0].bias.data.copy_(other.layers[0].bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpp, mixed(x))
+    # Errors: the same words as Python's (ValueError there, std::invalid_argument here).
+    state = model.state_dict()
+    bad = [
+        {**state, "layers.1.weight": torch.randn(128, 256)},
+        {**state, "layers.1.weight": state["layers.1.weight"].double()},
+        {k: v for k, v in state.items() if k != "layers.3.bias"},
+        {**state, "nope": torch.zeros(1)},
+        part,  # strict: everything else is missing
+    ]
+    for i, weights in enumerate(bad):
+        with pytest.raises(ValueError) as e:
+            fxrt.load(path).update_weights(weights)
+        f = _save_weights(tmp_path / f"bad-{i}.safetensors", weights)
+        proc = runner(str(path), "--random", "--weights", str(f))
+        assert proc.returncode == 4, proc.stderr
+        assert str(e.value) in proc.stderr, (str(e.value), proc.stderr)
+
+
+def test_update_weights_tied_cpp(runner: Any, gpt2, tmp_path: Path) -> None:
+    """GPT-2's lm_head.weight is transformer.wte.weight: giving one of the two names replaces
+    both (strict is satisfied); two different tensors for them are refused."""
+    model, path = gpt2
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.add_(0.1)
+    state = other.state_dict()
+    once = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    f = _save_weights(tmp_path / "tied.safetensors", once)
+    ids = _ids(2, 6)
+    mask = torch.ones_like(ids)
+    (cpp,) = _run_cpp(runner, path, [ids, mask], tmp_path, "--weights", str(f))
+    with torch.inference_mode():
+        want = other(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(cpp, want)
+        for pure in (False, True):
+            m = _loaded(path, pure)
+            m.update_weights(once)
+            torch.testing.assert_close(cpp, m(ids, attention_mask=mask, use_cache=False).logits)
+    twice = {**state, "lm_head.weight": state["lm_head.weight"].clone()}
+    with pytest.raises(ValueError, match="tied in the package"):
+        fxrt.load(path).update_weights(twice)
+    f = _save_weights(tmp_path / "twice.safetensors", twice)
+    proc = runner(str(path), "--random", "--weights", str(f))
+    assert proc.returncode == 4, proc.stderr
+    assert re.search(r"weights '.*' and '.*' are tied in the package \(one tensor\)", proc.stderr)
+
+
+def test_weight_swap_never_mixes(runner: Any, w_packages, tmp_path: Path) -> None:
+    """Four threads call the model while a fifth alternates its weights between two sets: every
+    call gives what one set gives, bit for bit (each call holds the set it started with)."""
+    model, _, path = w_packages["W2"]
+    torch.manual_seed(7)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.normal_()
+    f = _save_weights(tmp_path / "swap.safetensors", other.state_dict())
+    proc = runner(str(path), "--random", "--parallel", "4", "--swap", str(f))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.search(
+        r"swap: 4 threads x 50 calls, (\d+) swaps, (\d+) on the first set, (\d+) on the second, "
+        r"0 mixes, sets differ: yes",
+        proc.stdout,
+    )
+    assert m, proc.stdout
+    assert int(m[1]) > 0 and int(m[2]) + int(m[3]) == 200
+
+
+# ----------------------------------------------------------------------------------------------
+# Building against the runtime: the installed package, the in-tree config, the DispatchStub probe
+
+
+def test_installed_runtime_builds_a_consumer(runner: Any, w_packages, tmp_path: Path) -> None:
+    import cpp_runner
+
+    prefix = tmp_path / "prefix"
+    cpp_runner.install(prefix)
+    installed = {p.relative_to(prefix).as_posix() for p in prefix.rglob("*") if p.is_file()}
+    for name in ("libfxrt_runtime.a", "fxrtConfig.cmake", "fxrtConfigVersion.cmake"):
+        assert any(p.endswith(name) for p in installed), installed
+    assert {"include/fxrt/model.h", "include/fxrt/tensors.h"} <= installed
+    exe = cpp_runner.build_consumer(prefix, tmp_path / "consumer")
+    model, (x,), path = w_packages["W3"]
+    x = torch.randn_like(x)
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_tensors(src, {"0": x})
+    proc = subprocess.run(
+        [str(exe), str(path), "--inputs", str(src), "--output", str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with torch.inference_mode():
+        torch.testing.assert_close(load_tensors(dst)["0"], model(x))
+    # The in-tree config (fxrt_DIR=<fxrt>/csrc/cmake) still gives a project fxrt::runtime.
+    root = Path(cpp_runner.ROOT)
+    proc = cpp_runner.configure(
+        root / "examples" / "cpp_runner",
+        tmp_path / "in-tree",
+        "-DFXRT_RUNNER_INSTALLED=ON",
+        f"-Dfxrt_DIR={root / 'csrc' / 'cmake'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_cpu_stub_probe_links_only_with_torchs_macros(runner: Any) -> None:
+    """The DispatchStub macros the builds use are the ones that link against this torch, and
+    another known set does not link (so a wrong set cannot be chosen)."""
+    import cpp_runner
+    from torch.utils import cpp_extension
+
+    from fxrt._speedups import cpu_stubs
+
+    inc, libs = cpp_extension.include_paths(), cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    macros = cpu_stubs.stub_macros(inc, libs, abi)
+    assert ("FXRT_CPU_STUBS", "1") in macros
+    chosen = tuple(d for d, _ in macros if d != "FXRT_CPU_STUBS")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert chosen == ("HAVE_AVX512_CPU_DEFINITION", "HAVE_AVX2_CPU_DEFINITION")
+    wrong = [c for c in cpu_stubs.candidates() if c != chosen][:2]
+    for defs in wrong:
+        assert not cpu_stubs.links(defs, inc, libs, abi), defs
+    cache = (cpp_runner.build_dir() / "CMakeCache.txt").read_text()
+    want = ";".join([*(f"{d}=1" for d in chosen), "FXRT_CPU_STUBS=1"])
+    assert f"FXRT_CPU_STUBS_DEFINITIONS:INTERNAL={want}\n" in cache

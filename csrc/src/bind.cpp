@@ -86,6 +86,12 @@ CallOp bind_call(
     fail(where + ": more arguments than the schema of " + schema.name() + " takes");
   }
   CallOp call{handle, {}, std::move(outputs), schema.returns().size(), multi};
+  // torch.ops lets numbers stand for Tensor arguments of prims ops and of a list of aten ops
+  // (torch::should_allow_numbers_as_tensors, in libtorch_python, which this runtime does not
+  // link). A stored program passes a number where a Tensor is expected only where its graph did
+  // under torch.ops (fxrt.load runs the same graph there), so every aten and prims op may here.
+  const std::string& name = schema.name();
+  call.numbers_as_tensors = name.rfind("aten::", 0) == 0 || name.rfind("prims::", 0) == 0;
   size_t kwargs_used = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const c10::Argument& param = params[i];

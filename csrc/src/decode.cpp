@@ -134,6 +134,15 @@ c10::ScalarType short_dtype(const Value& v, const std::string& where) {
       named(kDTypes, "torch." + string(v, where), "dtype", where));
 }
 
+std::string dtype_name(c10::ScalarType type) {
+  for (const Named& n : kDTypes) {
+    if (n.value == static_cast<int64_t>(type)) {
+      return std::string(n.name).substr(6);
+    }
+  }
+  return c10::toString(type);
+}
+
 c10::Device device(const std::string& s, const std::string& where) {
   if (s.size() > 40) {
     fail(where + ": malformed device");

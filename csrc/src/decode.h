@@ -37,6 +37,7 @@ std::vector<int64_t> ints(const json::Value& v, const std::string& where, int64_
 c10::ScalarType dtype(const json::Value& v, const std::string& where);  // "torch.float32"
 c10::ScalarType short_dtype(const json::Value& v, const std::string& where);  // "float32"
 c10::Device device(const std::string& s, const std::string& where);
+std::string dtype_name(c10::ScalarType type);  // as Python writes it, without "torch." ("float32")
 
 // The tag of a tagged value ({"tag": payload}), or "" for a plain JSON value.
 std::string tag_of(const json::Value& v);

@@ -1,17 +1,25 @@
 // fxrt_runner: loads an fxrt package and runs it from C++, without Python.
 //
 //   fxrt_runner MODEL.fxrt [--inputs IN.safetensors | --random] [--output OUT.safetensors]
-//               [--bench N] [--clock wall|cpu] [--threads N] [--parallel K] [--no-verify]
+//               [--device DEV] [--weights W.safetensors [--non-strict]]
+//               [--bench N] [--clock wall|cpu] [--threads N] [--parallel K [--swap W.safetensors]]
+//               [--no-verify]
 //   fxrt_runner --check FILE...
 //   fxrt_runner MODEL.fxrt --inputs IN.safetensors --serve [--clock wall|cpu] [--threads N]
 //
-// Inputs come from a safetensors file (entries "0", "1", ... in call order; in Python,
-// fxrt.deploy.tensorfile.save_tensors writes one) or are random (the exported sizes; the lower
-// end of a dynamic dim's range). It prints each output's dtype and shape, and the latency of the
-// calls it made; with --bench N it calls the model N times after N/10 warm-up calls and prints
-// the median per-call time as one JSON line. --parallel K runs the model from K threads at once,
-// 50 calls each, and checks that every call's outputs equal the first call's. Errors go to
-// stderr with exit status 2 (package), 3 (inputs) or 1.
+// Inputs come from a safetensors file (entries "0", "1", ... in call order, an int input as a
+// 0-dim int64 tensor; in Python, fxrt.deploy.tensorfile.save_tensors writes one) or are random
+// (the exported sizes; the lower end of a dynamic dim's or int's range, at least 2), on the
+// model's device. It prints each output's dtype and shape (an int output: its value; saved as a
+// 0-dim int64 tensor), and the latency of the calls it made; with --bench N it calls the model N
+// times after N/10 warm-up calls and prints the median per-call time as one JSON line.
+// --device loads the weights onto DEV (LoadOptions::device). --weights replaces weights by name
+// (Model::update_weights; strict unless --non-strict) before the first call. --parallel K runs
+// the model from K threads at once, 50 calls each, and checks that every call's outputs equal
+// the first call's; with --swap, another thread meanwhile alternates the weights between the
+// current set and the file's, and every call's outputs must equal what one of the two sets gives,
+// never a mix. Errors go to stderr with exit status 2 (package), 3 (inputs), 4 (a device or
+// weights that do not fit) or 1.
 //
 // --check loads each FILE in turn and, when it loads, runs it once on random inputs, printing
 // one line per file (loaded / refused / failed, and the message): a test of many hostile files
@@ -25,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 
@@ -40,21 +49,24 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
 
 struct Args {
   std::vector<std::string> check;
-  std::string model, inputs, output, clock = "wall";
-  bool random = false, verify = true, serve = false;
+  std::string model, inputs, output, clock = "wall", device, weights, swap;
+  bool random = false, verify = true, serve = false, strict = true;
   int bench = 0, threads = 0, parallel = 0;
 };
 
 [[noreturn]] void usage() {
   std::cerr << "usage: fxrt_runner MODEL.fxrt [--inputs IN.safetensors | --random] "
-               "[--output OUT.safetensors] [--bench N] [--clock wall|cpu] [--threads N] "
-               "[--no-verify]\n";
+               "[--output OUT.safetensors] [--device DEV] [--weights W.safetensors "
+               "[--non-strict]] [--bench N] [--clock wall|cpu] [--threads N] [--parallel K "
+               "[--swap W.safetensors]] [--no-verify]\n";
   std::exit(64);
 }
 
@@ -84,6 +96,14 @@ Args parse(int argc, char** argv) {
       a.parallel = std::atoi(next().c_str());
     } else if (s == "--serve") {
       a.serve = true;
+    } else if (s == "--device") {
+      a.device = next();
+    } else if (s == "--weights") {
+      a.weights = next();
+    } else if (s == "--non-strict") {
+      a.strict = false;
+    } else if (s == "--swap") {
+      a.swap = next();
     } else if (s == "--no-verify") {
       a.verify = false;
     } else if (s == "--check") {
@@ -96,7 +116,8 @@ Args parse(int argc, char** argv) {
       usage();
     }
   }
-  if ((a.model.empty() && a.check.empty()) || (a.clock != "wall" && a.clock != "cpu")) {
+  if ((a.model.empty() && a.check.empty()) || (a.clock != "wall" && a.clock != "cpu") ||
+      (!a.swap.empty() && a.parallel <= 0)) {
     usage();
   }
   return a;
@@ -114,9 +135,22 @@ int64_t now_ns(bool cpu) {
       .count();
 }
 
-std::vector<at::Tensor> random_inputs(const fxrt::Model& m) {
-  std::vector<at::Tensor> out;
+// A call's inputs: IValues (tensors and ints), and the tensors alone when there are no ints
+// (the tensor overload of run(), which the benchmarks time).
+struct Inputs {
+  std::vector<c10::IValue> values;
+  std::vector<at::Tensor> tensors;
+  bool ints = false;
+};
+
+Inputs random_inputs(const fxrt::Model& m) {
+  Inputs out;
   for (const fxrt::InputInfo& in : m.inputs()) {
+    if (in.is_int) {
+      out.values.emplace_back(std::max<int64_t>(in.min_value, 2));
+      out.ints = true;
+      continue;
+    }
     std::vector<int64_t> sizes;
     for (size_t d = 0; d < in.sizes.size(); ++d) {
       sizes.push_back(in.sizes[d] >= 0 ? in.sizes[d] : std::max<int64_t>(in.min_sizes[d], 2));
@@ -129,27 +163,126 @@ std::vector<at::Tensor> random_inputs(const fxrt::Model& m) {
             "random inputs: " + in.name + " would take over 1 GiB; give --inputs");
       }
     }
+    at::Tensor t;
     if (c10::isFloatingType(in.dtype)) {
-      out.push_back(at::randn(sizes, options));
+      t = at::randn(sizes, options);
     } else if (in.dtype == at::kBool) {
-      out.push_back(at::zeros(sizes, options));
+      t = at::zeros(sizes, options);
     } else {
-      out.push_back(at::randint(0, 2, sizes, options));  // valid ids and masks alike
+      t = at::randint(0, 2, sizes, options);  // valid ids and masks alike
+    }
+    out.values.emplace_back(t.to(m.device()));
+  }
+  for (const c10::IValue& v : out.values) {
+    if (v.isTensor()) {
+      out.tensors.push_back(v.toTensor());
     }
   }
   return out;
 }
 
-std::vector<at::Tensor> file_inputs(const std::string& path) {
+std::vector<std::pair<std::string, at::Tensor>> sorted_file(const std::string& path) {
   auto named = fxrt::load_tensors(path);
   std::sort(named.begin(), named.end(), [](const auto& a, const auto& b) {
     return std::atoll(a.first.c_str()) < std::atoll(b.first.c_str());
   });
-  std::vector<at::Tensor> out;
-  for (auto& [name, t] : named) {
-    out.push_back(std::move(t));
+  return named;
+}
+
+Inputs file_inputs(const fxrt::Model& m, const std::string& path) {
+  Inputs out;
+  auto named = sorted_file(path);
+  const auto& infos = m.inputs();
+  out.ints = std::any_of(infos.begin(), infos.end(), [](const auto& in) { return in.is_int; });
+  for (size_t i = 0; i < named.size(); ++i) {
+    at::Tensor& t = named[i].second;
+    if (i < infos.size() && infos[i].is_int && t.dim() == 0 && !t.is_floating_point()) {
+      out.values.emplace_back(t.item<int64_t>());
+    } else {
+      out.values.emplace_back(t);
+      out.tensors.push_back(t);
+    }
   }
   return out;
+}
+
+std::unordered_map<std::string, at::Tensor> file_weights(const std::string& path) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (auto& [name, t] : fxrt::load_tensors(path)) {
+    out.emplace(name, std::move(t));
+  }
+  return out;
+}
+
+std::vector<c10::IValue> call(const fxrt::Model& model, const Inputs& in) {
+  if (in.ints) {
+    return model.run(in.values);
+  }
+  std::vector<c10::IValue> out;
+  for (at::Tensor& t : model.run(in.tensors)) {
+    out.emplace_back(t.defined() ? c10::IValue(std::move(t)) : c10::IValue());
+  }
+  return out;
+}
+
+bool same(const std::vector<c10::IValue>& a, const std::vector<c10::IValue>& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].isTensor() != b[i].isTensor() ||
+        (a[i].isTensor() ? !a[i].toTensor().equal(b[i].toTensor()) : !(a[i] == b[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// --parallel K --swap FILE: K threads call the model while another alternates its weights between
+// the current set and the file's; every call must give what one of the two sets gives.
+int swap_test(fxrt::Model& model, const Inputs& inputs, const Args& a) {
+  auto first = model.state_dict();
+  auto second = file_weights(a.swap);
+  std::vector<c10::IValue> want_first = call(model, inputs);
+  model.update_weights(second, a.strict);
+  std::vector<c10::IValue> want_second = call(model, inputs);
+  model.update_weights(first);
+  std::atomic<int> mixes{0}, seen_first{0}, seen_second{0}, swaps{0};
+  std::atomic<bool> stop{false};
+  std::thread swapper([&]() {
+    c10::InferenceMode guard;
+    for (int k = 0; !stop.load(); ++k) {
+      model.update_weights(k % 2 ? first : second, k % 2 ? true : a.strict);
+      ++swaps;
+    }
+  });
+  std::vector<std::thread> pool;
+  for (int k = 0; k < a.parallel; ++k) {
+    pool.emplace_back([&]() {
+      c10::InferenceMode guard;
+      for (int i = 0; i < 50; ++i) {
+        std::vector<c10::IValue> got = call(model, inputs);
+        if (same(got, want_first)) {
+          ++seen_first;
+        } else if (same(got, want_second)) {
+          ++seen_second;
+        } else {
+          ++mixes;
+        }
+      }
+    });
+  }
+  for (std::thread& t : pool) {
+    t.join();
+  }
+  stop = true;
+  swapper.join();
+  std::printf(
+      "swap: %d threads x 50 calls, %d swaps, %d on the first set, %d on the second, %d mixes, "
+      "sets differ: %s\n",
+      a.parallel, swaps.load(), seen_first.load(), seen_second.load(), mixes.load(),
+      same(want_first, want_second) ? "no" : "yes");
+  return mixes.load() == 0 ? 0 : 1;
 }
 
 int run(const Args& a) {
@@ -158,21 +291,39 @@ int run(const Args& a) {
   }
   c10::InferenceMode inference;
   int64_t t0 = now_ns(false);
-  fxrt::Model model(a.model, fxrt::LoadOptions{a.verify});
+  fxrt::LoadOptions options{a.verify};
+  if (!a.device.empty()) {
+    options.device = c10::Device(a.device);
+  }
+  fxrt::Model model(a.model, options);
   int64_t t1 = now_ns(false);
   std::printf(
       "loaded %s: %s, %zu instructions, %zu inputs, %zu outputs, in %.2f ms\n", a.model.c_str(),
       model.module_name().c_str(), model.num_instructions(), model.inputs().size(),
       model.num_outputs(), (t1 - t0) / 1e6);
-  std::vector<at::Tensor> inputs = a.inputs.empty() ? random_inputs(model) : file_inputs(a.inputs);
+  if (!a.weights.empty()) {
+    model.update_weights(file_weights(a.weights), a.strict);
+  }
+  std::printf(
+      "weights: %zu of %zu mapped from the file, on %s\n", model.mapped_weights(),
+      model.state_dict().size(), model.device().str().c_str());
+  Inputs inputs = a.inputs.empty() ? random_inputs(model) : file_inputs(model, a.inputs);
   bool cpu = a.clock == "cpu";
+  // The timed calls: the tensor overload when there are no int inputs (no output conversion).
+  auto once = [&]() {
+    if (inputs.ints) {
+      model.run(inputs.values);
+    } else {
+      model.run(inputs.tensors);
+    }
+  };
   if (a.serve) {
     std::string line;
     while (std::getline(std::cin, line)) {
       int n = std::max(1, std::atoi(line.c_str()));
       int64_t s = now_ns(cpu);
       for (int i = 0; i < n; ++i) {
-        model.run(inputs);
+        once();
       }
       std::printf("%.4f\n", (now_ns(cpu) - s) / 1e3 / n);
       std::fflush(stdout);
@@ -180,28 +331,36 @@ int run(const Args& a) {
     return 0;
   }
   int64_t c0 = now_ns(cpu);
-  std::vector<at::Tensor> outputs = model.run(inputs);
+  std::vector<c10::IValue> outputs = call(model, inputs);
   int64_t c1 = now_ns(cpu);
+  std::vector<std::pair<std::string, at::Tensor>> named;
   for (size_t i = 0; i < outputs.size(); ++i) {
-    const at::Tensor& t = outputs[i];
+    const c10::IValue& v = outputs[i];
     std::printf("output %zu: ", i);
-    if (!t.defined()) {
-      std::printf("None\n");
+    if (v.isInt()) {
+      std::printf("int %ld\n", static_cast<long>(v.toInt()));
+      named.emplace_back(std::to_string(i), at::scalar_tensor(v.toInt(), at::kLong));
       continue;
     }
+    if (!v.isTensor()) {
+      std::printf("%s\n", v.tagKind().c_str());
+      named.emplace_back(std::to_string(i), at::Tensor());
+      continue;
+    }
+    const at::Tensor& t = v.toTensor();
+    named.emplace_back(std::to_string(i), t);
     std::printf("%s[", c10::toString(t.scalar_type()));
     for (int64_t d = 0; d < t.dim(); ++d) {
       std::printf(d ? ", %ld" : "%ld", static_cast<long>(t.size(d)));
     }
-    std::printf("]\n");
+    std::printf("]%s\n", t.device().is_cpu() ? "" : (" on " + t.device().str()).c_str());
   }
   std::printf("first call: %.1f us (%s clock)\n", (c1 - c0) / 1e3, a.clock.c_str());
   if (!a.output.empty()) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      named.emplace_back(std::to_string(i), outputs[i]);
-    }
     fxrt::save_tensors(a.output, named);
+  }
+  if (!a.swap.empty()) {
+    return swap_test(model, inputs, a);
   }
   if (a.parallel > 0) {
     std::atomic<int> mismatches{0};
@@ -210,11 +369,8 @@ int run(const Args& a) {
       pool.emplace_back([&]() {
         c10::InferenceMode guard;
         for (int i = 0; i < 50; ++i) {
-          std::vector<at::Tensor> got = model.run(inputs);
-          for (size_t j = 0; j < got.size(); ++j) {
-            if (got[j].defined() && !got[j].equal(outputs[j])) {
-              ++mismatches;
-            }
+          if (!same(call(model, inputs), outputs)) {
+            ++mismatches;
           }
         }
       });
@@ -229,13 +385,13 @@ int run(const Args& a) {
   }
   if (a.bench > 0) {
     for (int i = 0; i < std::max(1, a.bench / 10); ++i) {
-      model.run(inputs);
+      once();
     }
     std::vector<int64_t> times;
     times.reserve(static_cast<size_t>(a.bench));
     for (int i = 0; i < a.bench; ++i) {
       int64_t s = now_ns(cpu);
-      model.run(inputs);
+      once();
       times.push_back(now_ns(cpu) - s);
     }
     std::sort(times.begin(), times.end());
@@ -263,7 +419,7 @@ int check(const Args& a) {
       continue;
     }
     try {
-      model->run(random_inputs(*model));
+      call(*model, random_inputs(*model));
       std::printf("%s\tloaded\n", path.c_str());
     } catch (const c10::Error& e) {
       std::printf("%s\tfailed\t%s\n", path.c_str(), one_line(e.what_without_backtrace()).c_str());
@@ -289,6 +445,9 @@ int main(int argc, char** argv) {
   } catch (const fxrt::InputError& e) {
     std::cerr << "fxrt_runner: " << e.what() << "\n";
     return 3;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "fxrt_runner: " << e.what() << "\n";
+    return 4;
   } catch (const c10::Error& e) {
     std::cerr << "fxrt_runner: " << e.what_without_backtrace() << "\n";
     return 1;

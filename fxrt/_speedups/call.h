@@ -14,7 +14,8 @@
 // A register that fails its check (an int where a float is expected, a Python object a fallback
 // produced) and every TREE take the slow path: the argument is rebuilt in Python and converted
 // as torch.ops converts it, so the op sees what it would see under the Python loop. Without
-// Python (FXRT_NO_PYTHON) the slow path converts ints to floats and raises otherwise.
+// Python (FXRT_NO_PYTHON) the slow path converts ints to floats and numbers to tensors as
+// torch.ops would, and raises otherwise.
 //
 // run_call() fills the stack, calls callBoxed, and stores the returns in the output registers,
 // unpacking a multi-output return (several returns, or one list) in order.
@@ -25,6 +26,8 @@
 
 #ifndef FXRT_NO_PYTHON
 #include <torch/csrc/jit/python/pybind_utils.h>
+#else
+#include <ATen/ScalarOps.h>
 #endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -192,8 +195,11 @@ inline std::optional<IValue> int_list(const BoundArg& arg, const std::vector<IVa
 }
 
 #ifdef FXRT_NO_PYTHON
-// What the checks do not accept, without Python: an int register where a float is expected
-// becomes that float (as torch.ops converts a Python int); anything else is an error naming the
+// What the checks do not accept, without Python, converted as torch.ops converts the Python
+// value: an int register where a float is expected becomes that float; a number (an int input
+// of the graph, a SYM step's result) where a Tensor is expected becomes a 0-dim tensor marked as
+// a wrapped number, as Python's scalars are (so `x * n` promotes as eager does), for the ops
+// that take numbers as tensors (call.numbers_as_tensors). Anything else is an error naming the
 // argument, where the Python build would convert the value as torch.ops does.
 inline IValue convert_slow(
     const CallOp& call,
@@ -205,6 +211,12 @@ inline IValue convert_slow(
     const IValue& v = regs[static_cast<size_t>(arg.reg)];
     if ((arg.accept == Accept::FLOAT || arg.accept == Accept::SYMFLOAT) && v.isInt()) {
       return IValue(static_cast<double>(v.toInt()));
+    }
+    if (arg.accept == Accept::TENSOR && call.numbers_as_tensors &&
+        (v.isInt() || v.isDouble() || v.isBool())) {
+      at::Tensor t = at::scalar_to_tensor(v.toScalar());
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return IValue(std::move(t));
     }
     TORCH_CHECK_TYPE(
         false, call.op.schema().name(), ": argument ", param.name(), " expects ",

@@ -43,9 +43,12 @@ namespace fxrt {
 // 8K and 16K elements on one or two threads).
 constexpr int64_t kSmallGelu = 8192;
 
-// ATen's CPU kernels are reachable through their DispatchStubs where setup.py could declare the
-// CPU capabilities torch was built with (x86-64).
-#if defined(HAVE_AVX2_CPU_DEFINITION) && defined(HAVE_AVX512_CPU_DEFINITION)
+// ATen's CPU kernels are called through their DispatchStubs only where the build linked a probe
+// (cpu_stubs_probe.cpp) with the CPU-capability macros it defines next to FXRT_CPU_STUBS: the
+// stubs' declarations depend on the capabilities torch was built with (AVX512 and AVX2 on
+// x86-64, SVE on aarch64, ...), which its headers do not record. Elsewhere the fast paths are
+// compiled out and the ATen ops run.
+#if defined(FXRT_CPU_STUBS)
 constexpr bool kCpuStubs = true;
 #else
 constexpr bool kCpuStubs = false;
@@ -74,11 +77,16 @@ inline bool small_gelu(const at::Tensor& self, std::string_view approximate) {
       self.numel() <= kSmallGelu && !has_huge_values(self);
 }
 
+// The kernel calls are compiled only with FXRT_CPU_STUBS (not `if constexpr`: a discarded
+// statement outside a template still instantiates the stub's call, and its reference to a
+// DispatchStub symbol this libtorch may not define).
 inline void run_gelu_kernel(const at::Tensor& self, at::Tensor& out) {
-  if constexpr (kCpuStubs) {
-    at::TensorIterator iter = at::TensorIterator::unary_op(out, self);
-    at::native::GeluKernel(at::kCPU, iter, at::native::GeluType::None);
-  }
+#if defined(FXRT_CPU_STUBS)
+  at::TensorIterator iter = at::TensorIterator::unary_op(out, self);
+  at::native::GeluKernel(at::kCPU, iter, at::native::GeluType::None);
+#else
+  (void)self, (void)out;
+#endif
 }
 
 // CompositeImplicitAutograd: it runs before autograd and dispatch modes, so everything but the
@@ -117,12 +125,14 @@ inline void run_layer_norm_kernel(
     const at::Tensor& bias,
     double eps,
     at::Tensor& out) {
-  if constexpr (kCpuStubs) {
-    auto [M, N] = at::native::_check_layer_norm_inputs(input, normalized_shape, weight, bias);
-    if (M > 0) {
-      at::native::LayerNormKernel(at::kCPU, input, weight, bias, M, N, eps, &out, nullptr, nullptr);
-    }
+#if defined(FXRT_CPU_STUBS)
+  auto [M, N] = at::native::_check_layer_norm_inputs(input, normalized_shape, weight, bias);
+  if (M > 0) {
+    at::native::LayerNormKernel(at::kCPU, input, weight, bias, M, N, eps, &out, nullptr, nullptr);
   }
+#else
+  (void)input, (void)normalized_shape, (void)weight, (void)bias, (void)eps, (void)out;
+#endif
 }
 
 inline at::Tensor layer_norm(

@@ -6,7 +6,9 @@ Each call:
    exported), keyword arguments reordered to the exported order; another structure raises
    :class:`fxrt.InputError` describing both;
 2. checks what the compiled graph does not (:meth:`Binder.quick`): each size symbol within its
-   exported ``Dim`` range, each constant equal to the exported one, derived sizes. Dtypes,
+   exported ``Dim`` range, each constant equal to the exported one, derived sizes, and each int
+   input (a SymInt of the graph: an int, within its symbol's range, equal to the value a tensor
+   dimension bound the symbol to). Dtypes,
    devices, ranks, static sizes, strides and symbols bound consistently across inputs are checked
    by the compiled graph itself (:mod:`fxrt.exec.inputs`, in C++ on the compiled loop); when it
    refuses a call, :meth:`Binder.check` runs to name the input: its parameter name and path, the
@@ -71,6 +73,13 @@ class Binder:
                 self.constants.append((leaf, s))
             else:
                 self.symints.append((leaf, s))
+        # Int inputs whose value is a derived expression (not a bare symbol): checked once the
+        # symbols are bound.
+        self.derived_ints = [
+            (leaf, s, _sympy(s.shape[0]))
+            for leaf, s in self.symints
+            if not (s.shape[0] in sig.ranges or SYMBOL.fullmatch(s.shape[0]))
+        ]
         # What each call checks before the graph runs: the ranges of symbolic sizes and the
         # constants. Dtypes, devices, ranks, static sizes, strides and symbols bound
         # consistently are checked by the compiled graph itself (fxrt.exec.inputs, in C++ on
@@ -164,6 +173,28 @@ class Binder:
             x = leaves[leaf]
             if type(x) is not type(s.value) or x != s.value:
                 raise self._error(s, f"exported with the constant {s.value!r}, got {x!r}")
+        # Int inputs after the tensors: a bare symbol is checked against its range and binds it
+        # (or must equal the value a tensor dim bound it to); a derived one is checked below.
+        for leaf, s in self.symints:
+            x = leaves[leaf]
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise self._error(s, f"expected an int, got a {type(x).__name__}")
+            want = s.shape[0]
+            if not (want in self.sig.ranges or SYMBOL.fullmatch(want)):
+                continue
+            rng = self.sig.ranges.get(want, (0, None))
+            if x < rng[0] or (rng[1] is not None and x > rng[1]):
+                raise self._error(
+                    s, f"{x} is outside the range of {self.sig.sym(want)}, {range_text(rng)}"
+                )
+            prev = bound.get(want)
+            if prev is None:
+                bound[want] = (x, s, None)
+            elif prev[0] != x:
+                where = "" if prev[2] is None else f" dim {prev[2]}"
+                raise self._error(
+                    s, f"{x}, but {self.sig.sym(want)} = {prev[0]} from {prev[1].label()}{where}"
+                )
         if self.derived or self.symints:
             self._check_derived(leaves, bound)
 
@@ -178,10 +209,11 @@ class Binder:
                 raise self._error(
                     s, f"dim {d}: size {x.shape[d]}, expected {s.shape[d]} = {int(want)}", x
                 )
-        for leaf, s in self.symints:
+        for leaf, s, expr in self.derived_ints:
             x = leaves[leaf]
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise self._error(s, f"expected an int, got a {type(x).__name__}")
+            want = expr.xreplace(env)
+            if want.is_Integer and x != int(want):
+                raise self._error(s, f"{x}, expected {s.shape[0]} = {int(want)}")
 
     def _error(self, s: InputSig, what: str, x: Any = None) -> InputError:
         got = "" if x is None else f"; got {_describe(x)}"

@@ -311,8 +311,9 @@ def _signature(
             # A derived size (``s0 + 1`` of ``Dim`` arithmetic): its range follows from its
             # symbols', and each call checks it against them (binder.Binder.derived).
             continue
+        # Unbounded ends are torch's int_oo, which sympy calls finite: test for an integer.
         lo, hi = vr.lower, vr.upper
-        ranges[str(sym)] = (int(lo) if lo.is_finite else 0, int(hi) if hi.is_finite else None)
+        ranges[str(sym)] = (int(lo) if lo.is_Integer else 0, int(hi) if hi.is_Integer else None)
     return Signature(
         inputs,
         outputs,

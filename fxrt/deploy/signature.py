@@ -234,8 +234,8 @@ def _input(x: Any, i: int) -> InputSig:
             raise _fail(f"{where}: a constant must be a number, bool, string or null")
         return InputSig(name, kind, path, value=v)
     shape = _shape(d["shape"], where)
-    if len(shape) != 1:
-        raise _fail(f"{where}: a symint has one expression")
+    if len(shape) != 1 or not isinstance(shape[0], str):
+        raise _fail(f"{where}: a symint has one size expression")
     return InputSig(name, kind, path, shape=shape)
 
 

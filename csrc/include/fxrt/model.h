@@ -2,23 +2,31 @@
 //
 //   fxrt::Model m("model.fxrt");
 //   std::vector<at::Tensor> out = m.run({x});
+//   std::vector<c10::IValue> out2 = m.run(std::vector<c10::IValue>{x, int64_t{5}});  // int inputs
+//   m.update_weights(new_state_dict);
 //
 // The Model loads the package's lowered program (validated in full: every op looked up by name
 // and its schema compared, every register and slot bounds-checked, every argument bound to its
 // schema) onto the compiled loop the Python extension runs (fxrt/_speedups/loop.h), with the
-// weights memory-mapped from the file. run() is thread-safe. Errors are exceptions:
-// PackageError (a file that is not a valid package, or one this runtime cannot run), InputError
-// (inputs the package was not exported for, naming the input) and RunError (an op failed,
-// naming the node).
+// weights memory-mapped from the file. run() and update_weights() are thread-safe: a call runs
+// on the weight set current when it started. Errors are exceptions: PackageError (a file that is
+// not a valid package, or one this runtime cannot run), InputError (inputs the package was not
+// exported for, naming the input), RunError (an op failed, naming the node) and
+// std::invalid_argument (a device that is not available, weights that do not fit).
 
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace fxrt {
@@ -38,18 +46,26 @@ class RunError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// What a tensor input of the model takes: dtype, device and sizes ("s0"-style symbols for
-// dynamic dims, with their range).
+// What an input of the model takes: a tensor (dtype, device and sizes, with "s0"-style symbols
+// for dynamic dims and their range) or an int (a Python int the export kept symbolic, with its
+// range).
 struct InputInfo {
   std::string name;
   std::string path;  // where it is in the exported call's arguments (e.g. "args[0]")
-  at::ScalarType dtype;
+  bool is_int = false;  // an int input: dtype, sizes, min_sizes and max_sizes are unused
+  at::ScalarType dtype = at::kLong;
   std::vector<int64_t> sizes;  // -1 for a dynamic dim
   std::vector<int64_t> min_sizes, max_sizes;  // the range of each dim (max -1: unbounded)
+  int64_t min_value = 0, max_value = -1;  // an int input's range (max -1: unbounded)
 };
 
 struct LoadOptions {
   bool verify_weights = true;  // check the SHA-256 of the weight bytes (reads all of them)
+  // Where the weights go and the program runs (default: the device the package was exported
+  // on). On the CPU the weights stay memory-mapped from the file; elsewhere they are copied.
+  // A device of another type than the export's runs the program without its arena (its slots
+  // and out= choices were planned for the export device). Not available: std::invalid_argument.
+  std::optional<c10::Device> device;
 };
 
 class Model {
@@ -61,14 +77,38 @@ class Model {
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
-  // Runs the model on its tensor inputs (the exported call's tensor leaves, in order); returns
-  // its outputs (the exported output's leaves, in order). Thread-safe.
+  // Runs the model on its tensor inputs (the exported call's tensor leaves, in order; constants
+  // the export specialized on are not passed); returns its outputs (the exported output's
+  // leaves, in order; None is an undefined tensor). A model with int inputs, or int outputs,
+  // takes the IValue overload. Thread-safe.
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const;
+  std::vector<at::Tensor> run(std::initializer_list<at::Tensor> inputs) const;
+  // The same for inputs that are tensors and ints (c10::IValue holding an at::Tensor or an
+  // int64_t, in call order); outputs are tensors, ints or None.
+  std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs) const;
 
-  const std::vector<InputInfo>& inputs() const;
+  // Replaces weights by name without reloading, as Python's LoadedModel.update_weights: each
+  // tensor must have the weight's shape and dtype (one on another device or with other strides
+  // is copied to the package's; otherwise it is used as it is); names tied in the package (one
+  // tensor) stay one tensor, and must not be given two different ones; with `strict`, every
+  // parameter and persistent buffer must be given (one name of a tied group is enough) and no
+  // unknown name. The new set is published atomically: calls already running finish on the old
+  // weights, calls that start afterwards see the new ones. Thread-safe. Errors
+  // (std::invalid_argument, naming the tensor) change nothing.
+  void update_weights(
+      const std::unordered_map<std::string, at::Tensor>& weights,
+      bool strict = true);
+  // The current weights by name (tied names map to one tensor).
+  std::unordered_map<std::string, at::Tensor> state_dict() const;
+
+  const std::vector<InputInfo>& inputs() const;  // the user inputs, in call order
   size_t num_outputs() const;
   const std::string& module_name() const;
   size_t num_instructions() const;
+  c10::Device device() const;  // where the weights are and the program runs
+  // How many of the current weights are views of the memory-mapped file (all of them after a
+  // load onto the CPU; fewer after update_weights or on another device).
+  size_t mapped_weights() const;
 
  private:
   struct Impl;
