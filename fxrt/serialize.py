@@ -464,8 +464,15 @@ def decode_graph(
     doc: Any,
     fetch: Callable[[str, TensorRecord], torch.Tensor],
     caller_constants: Sequence[Any] | None = None,
+    *,
+    check_versions: bool = True,
 ) -> tuple[Graph, Plan, list[Any], list[int | None]]:
     """Rebuild and validate a graph from an artifact document; recompute its plan.
+
+    ``check_versions=False`` skips only the check that the document was made by this exact fxrt
+    and torch (a package's loader checks its ops by schema instead); it also skips computing
+    :func:`versions`, whose source hash reads all of fxrt's files (a few ms and half a MiB of
+    transient reads, once per process).
 
     Returns:
         The graph, its lifetime plan (recomputed), the pass records, and per node the index of
@@ -476,7 +483,7 @@ def decode_graph(
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SerializationError(f"not an {FORMAT} artifact")
-    if doc.get("versions") != versions():
+    if check_versions and doc.get("versions") != versions():
         raise SerializationError(
             f"artifact was made by {doc.get('versions')}, this is {versions()}"
         )
