@@ -66,7 +66,7 @@ from .binder import Binder
 from .package import PackageError
 from .program_data import encode_program, first_difference
 from .signature import Signature, spec_from_json
-from .tensorfile import DTYPES
+from .tensorfile import DTYPES, loads_json
 
 _MANIFEST_KEYS = {
     "format",
@@ -188,6 +188,10 @@ def _build(
     for node in graph.nodes:
         if node.op.kind is OpKind.ATEN and node.op.name not in m["ops"]:
             raise _fail(f"node {node.name} calls {node.op.name}, which the ops table lacks")
+    # The graph's document is most of the parsed manifest: drop it now, so that lowering reuses
+    # its memory instead of adding to the peak (the allocator keeps a process's peak resident).
+    # LoadedModel.manifest parses the manifest's text again when asked for.
+    del graph_doc, graph_tensors, m["graph"]
 
     tensors = _weight_tensors(raw, records, target)
     if len(sig.inputs) != len(graph.inputs):
@@ -229,10 +233,13 @@ def _build(
             as_stored = CompilerConfig.from_options(None, {**runtime, "cache": False})
             check = lower_program(graph, plan, as_stored)
         _check_program(m["program"], check)
+    m.pop("program", None)
     cg = CompiledGraph(graph, plan, program, config)
     cg.pass_records = pass_records
     binder = Binder(sig, in_spec, None if device is None else target)
-    return LoadedModel(cg, sig, binder, out_spec, tensors, records, m, where)
+    return LoadedModel(
+        cg, sig, binder, out_spec, tensors, records, m.get("module"), raw.manifest_json, where
+    )
 
 
 def _check_program(stored: Any, program: Any) -> None:
@@ -381,14 +388,19 @@ class LoadedModel:
         out_spec: pytree.TreeSpec,
         weights: dict[str, torch.Tensor],
         records: dict[str, Any],
-        manifest: dict[str, Any],
+        module: Any,
+        manifest_json: bytes,
         where: str,
     ):
         self.compiled = cg
         self.program = cg.program
         self.graph = cg.graph
         self.signature = sig
-        self.manifest = manifest
+        # The manifest is kept as its text (a fraction of the memory of the parsed objects, of
+        # which the graph and program documents are most) and parsed again when asked for.
+        self._manifest_json = manifest_json
+        self._manifest: dict[str, Any] | None = None
+        self._module = module
         self.path = where
         self._binder = binder
         self._out_spec = out_spec
@@ -527,13 +539,22 @@ class LoadedModel:
     # -- inspection
 
     @property
+    def manifest(self) -> dict[str, Any]:
+        """The package's manifest (parsed from its text on first use; the same object after)."""
+        if self._manifest is None:
+            with self._lock:
+                if self._manifest is None:
+                    self._manifest = loads_json(self._manifest_json, "manifest")
+        return self._manifest
+
+    @property
     def executor(self) -> str:
         return self.compiled.executor
 
     def __repr__(self) -> str:
         users = ", ".join(s.name for s in self.signature.user_inputs())
         return (
-            f"LoadedModel({self.manifest.get('module')}({users}) from {self.path}, "
+            f"LoadedModel({self._module}({users}) from {self.path}, "
             f"{len(self.graph.nodes)} nodes, executor={self.executor!r})"
         )
 

@@ -70,6 +70,7 @@ class RawPackage:
 
     buf: Any  # bytes-like: the whole file (an mmap when loaded from a path)
     manifest: Any
+    manifest_json: bytes  # the manifest's text as in the file (compact; decoded again on demand)
     entries: dict[str, Entry]
     metadata: dict[str, str]
     data_start: int
@@ -193,7 +194,9 @@ def read(buf: Any, *, verify_weights: bool = True) -> RawPackage:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise PackageError(f"not an {FORMAT} package (format {str(found)[:40]!r})")
-    return RawPackage(buf, manifest, entries, metadata, data_start, size, verify_weights)
+    return RawPackage(
+        buf, manifest, manifest_raw, entries, metadata, data_start, size, verify_weights
+    )
 
 
 def read_path(path: str | os.PathLike[str], *, verify_weights: bool = True) -> RawPackage:
