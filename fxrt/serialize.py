@@ -278,6 +278,9 @@ class _Reader:
             for k, v in records.items()
         }
         self.n_values = 0
+        # Stack traces repeat (a model's layers share their source lines) and JSON gives each
+        # node its own copy: the graph keeps one string per distinct trace.
+        self.traces: dict[str, str] = {}
 
     def ref(self, v: Any, where: str) -> Ref:
         return Ref(_int(v, where, 0, self.n_values - 1))
@@ -379,7 +382,9 @@ class _Reader:
                 kwargs,
                 outputs,
                 multi=_want(n["multi"], bool, where),
-                stack_trace=None if trace is None else _want(trace, str, where),
+                stack_trace=None
+                if trace is None
+                else self.traces.setdefault(_want(trace, str, where), trace),
                 copies=_want(n["copies"], bool, where),
             )
             if op.kind is OpKind.PYTHON:

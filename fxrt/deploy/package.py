@@ -173,7 +173,10 @@ def read(buf: Any, *, verify_weights: bool = True) -> RawPackage:
     manifest_raw = bytes(buf[m_off : m_off + m_len])
     st_head = bytes(buf[w_off : w_off + 8 + head_len])
     want_meta, want_data = bytes(buf[56:88]), bytes(buf[88:120])
-    if hashlib.sha256(fixed + manifest_raw + st_head).digest() != want_meta:
+    meta_hash = hashlib.sha256(fixed)
+    meta_hash.update(manifest_raw)  # in parts: no copy of the manifest made for the hash
+    meta_hash.update(st_head)
+    if meta_hash.digest() != want_meta:
         raise PackageError("package is damaged: its structure does not match its SHA-256")
     if verify_weights:
         data_hash = hashlib.sha256()
