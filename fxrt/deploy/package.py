@@ -212,7 +212,15 @@ def read_path(path: str | os.PathLike[str], *, verify_weights: bool = True) -> R
         if size == 0:
             raise PackageError(f"{os.fspath(path)}: empty file, not an fxrt package")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return read(buf, verify_weights=verify_weights)
+    raw = read(buf, verify_weights=verify_weights)
+    # The prelude, the manifest (kept as a copy of its text) and the weights header are parsed:
+    # their pages leave this process. They are clean pages of a private mapping that nothing
+    # writes to (tensors start at the data), so this only unmaps them; were they read again, the
+    # kernel would map them from the file again. The weights' pages stay.
+    head = raw.data_start // mmap.PAGESIZE * mmap.PAGESIZE
+    if head and hasattr(mmap, "MADV_DONTNEED"):
+        buf.madvise(mmap.MADV_DONTNEED, 0, head)
+    return raw
 
 
 def _round_up(n: int, k: int) -> int:
