@@ -34,11 +34,16 @@ Loading (after :func:`fxrt.deploy.package.read` has checked the structure and ha
    this exact fxrt and torch, a package from any that agree on the ops. The stored program must
    equal the one lowered here with the package's runtime options (on the export device; loading
    onto another device lowers for it and runs that), or the package is refused.
-4. Weights are views into the memory-mapped file (copy-on-write: a write changes this process's
-   page, never the file), moved to ``device`` if one is given, and must match the graph's
-   metadata for their inputs. With ``device``, the graph's device arguments and metadata are
-   retargeted from the export device to it.
+4. Weights are tensors on the memory-mapped file's pages (copy-on-write: a write changes this
+   process's page, never the file), moved to ``device`` if one is given, and must match the
+   graph's metadata for their inputs. With ``device``, the graph's device arguments and metadata
+   are retargeted from the export device to it.
 5. The tree specs are rebuilt from pytree's registry of this process only.
+
+What a loaded model keeps: the compiled graph (its IR, plan, program and executor), the
+signature, the weights, and the manifest's text (``LoadedModel.manifest`` parses it on first
+use). The parsed manifest is dropped part by part as the load uses it, since its peak stays
+resident in the allocator's pools; the file's pages before the weights are unmapped once parsed.
 
 Calls are thread-safe: the compiled graph makes a register file per call, and the weights are one
 tuple read once per call, which :meth:`LoadedModel.update_weights` replaces in one assignment.
