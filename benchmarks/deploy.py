@@ -24,7 +24,14 @@ and, per packaged runtime (fxrt, aoti):
   load ms          fxrt.load / aoti_load_package in a fresh process (imports done first)
   RSS MiB          the fresh process's resident memory after the load and after the first
                    call, minus what it held before the load (torch, fxrt, and for the HF models
-                   transformers imported), and that delta over the size of the weights
+                   transformers imported), and that delta over the size of the weights; for
+                   the load, that delta by kind of page (/proc/self/status, smaps): the
+                   package file's own mapped pages (fxrt: the weights, which the hash check
+                   reads), other file pages (the code of torch's and fxrt's libraries that the
+                   load runs for the first time in the process: clean, shared with every process
+                   that maps them, paid once per process), and anonymous memory (the process's
+                   own: Python objects, malloc); then the same package loaded again into that
+                   process and called (what each further package costs)
 
 Every competitor's output is checked against eager first. Usage:
 
@@ -192,23 +199,46 @@ if hf:
     import transformers.modeling_outputs  # noqa: F401
 args = torch.load(sys.argv[4])
 def rss():
+    # VmRSS and its parts: RssAnon (this process's own memory), RssFile (pages of mapped files)
     with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+def package_pages():
+    # resident pages of the mappings of the package file itself (fxrt: its weights)
+    total, ours, real = 0, False, os.path.realpath(path)
+    with open("/proc/self/smaps") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-before = rss()
+            head = line.split()
+            if not head[0].endswith(":"):
+                ours = len(head) > 5 and head[5] == real
+            elif ours and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+def load():
+    if kind == "fxrt":
+        return fxrt.load(path)
+    return torch._inductor.aoti_load_package(path)
+before, pkg_before = rss(), package_pages()
 t0 = time.perf_counter()
-if kind == "fxrt":
-    m = fxrt.load(path)
-else:
-    m = torch._inductor.aoti_load_package(path)
+m = load()
 t1 = time.perf_counter()
-after_load = rss()
+after_load, pkg_load = rss(), package_pages() - pkg_before
 with torch.inference_mode():
     m(*args)
 after_call = rss()
-print(json.dumps({"load_s": t1 - t0, "rss_load": after_load - before,
-                  "rss_call": after_call - before}))
+# The same package loaded again into this process, as a second model: what each further
+# package costs once the process has paid for its first (code run for the first time, pools).
+m2 = load()
+after_load2 = rss()
+with torch.inference_mode():
+    m2(*args)
+after_call2 = rss()
+print(json.dumps({"load_s": t1 - t0, "rss_load": after_load["VmRSS"] - before["VmRSS"],
+                  "rss_call": after_call["VmRSS"] - before["VmRSS"],
+                  "anon_load": after_load["RssAnon"] - before["RssAnon"],
+                  "file_load": after_load["RssFile"] - before["RssFile"], "pkg_load": pkg_load,
+                  "rss_load2": after_load2["VmRSS"] - after_call["VmRSS"],
+                  "rss_call2": after_call2["VmRSS"] - after_call["VmRSS"]}))
 """
 
 
@@ -350,6 +380,25 @@ def markdown(results: dict[str, Any]) -> str:
             )
             + f"{_mem(fl, wb)} | {_mem(al, wb)} |"
         )
+    if all("rss_load2" in r["fxrt_load"] for r in results.values()):
+        lines += [
+            "",
+            "fxrt.load's memory, MiB: the first load in a process (the RSS delta above) by kind of "
+            "page, and the same package loaded again into that process (RSS delta after its load "
+            "/ after its first call; ratio to the weights' size):",
+            "",
+            "| workload | weights | first load | package's pages | other file pages (code) "
+            "| anonymous | second load / call | aoti second load / call |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for w, r in results.items():
+            wb, fl, al = r["weights_bytes"], r["fxrt_load"], r.get("aoti_load")
+            mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+            lines.append(
+                f"| {w} | {mib(wb)} | {mib(fl['rss_load'])} | {mib(fl['pkg_load'])} | "
+                f"{mib(fl['file_load'] - fl['pkg_load'])} | {mib(fl['anon_load'])} | "
+                f"{_mem(fl, wb, '2')} | {_mem(al, wb, '2')} |"
+            )
     skipped = {(w, k): v for w, r in results.items() for k, v in r["skipped"].items()}
     if skipped:
         lines += ["", "Skipped: " + "; ".join(f"{w} {k}: {v}" for (w, k), v in skipped.items())]
@@ -360,14 +409,12 @@ def _ratio(t: dict[str, float], a: str, b: str) -> str:
     return f"{t[a] / t[b]:.2f}x" if a in t and b in t else "n/a"
 
 
-def _mem(x: dict[str, float] | None, weights: int) -> str:
-    if x is None:
+def _mem(x: dict[str, float] | None, weights: int, which: str = "") -> str:
+    if x is None or f"rss_load{which}" not in x:
         return "n/a"
     ratio = lambda b: f" ({b / weights:.2f}x)" if weights else ""  # noqa: E731
-    return (
-        f"{x['rss_load'] / 2**20:.1f}{ratio(x['rss_load'])} / "
-        f"{x['rss_call'] / 2**20:.1f}{ratio(x['rss_call'])} MiB"
-    )
+    load, call = x[f"rss_load{which}"], x[f"rss_call{which}"]
+    return f"{load / 2**20:.1f}{ratio(load)} / {call / 2**20:.1f}{ratio(call)} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,6 +278,9 @@ class _Reader:
             for k, v in records.items()
         }
         self.n_values = 0
+        # Stack traces repeat (a model's layers share their source lines) and JSON gives each
+        # node its own copy: the graph keeps one string per distinct trace.
+        self.traces: dict[str, str] = {}
 
     def ref(self, v: Any, where: str) -> Ref:
         return Ref(_int(v, where, 0, self.n_values - 1))
@@ -379,7 +382,9 @@ class _Reader:
                 kwargs,
                 outputs,
                 multi=_want(n["multi"], bool, where),
-                stack_trace=None if trace is None else _want(trace, str, where),
+                stack_trace=None
+                if trace is None
+                else self.traces.setdefault(_want(trace, str, where), trace),
                 copies=_want(n["copies"], bool, where),
             )
             if op.kind is OpKind.PYTHON:
@@ -464,8 +469,15 @@ def decode_graph(
     doc: Any,
     fetch: Callable[[str, TensorRecord], torch.Tensor],
     caller_constants: Sequence[Any] | None = None,
+    *,
+    check_versions: bool = True,
 ) -> tuple[Graph, Plan, list[Any], list[int | None]]:
     """Rebuild and validate a graph from an artifact document; recompute its plan.
+
+    ``check_versions=False`` skips only the check that the document was made by this exact fxrt
+    and torch (a package's loader checks its ops by schema instead); it also skips computing
+    :func:`versions`, whose source hash reads all of fxrt's files (a few ms and half a MiB of
+    transient reads, once per process).
 
     Returns:
         The graph, its lifetime plan (recomputed), the pass records, and per node the index of
@@ -476,7 +488,7 @@ def decode_graph(
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SerializationError(f"not an {FORMAT} artifact")
-    if doc.get("versions") != versions():
+    if check_versions and doc.get("versions") != versions():
         raise SerializationError(
             f"artifact was made by {doc.get('versions')}, this is {versions()}"
         )

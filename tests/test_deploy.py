@@ -821,6 +821,25 @@ def test_weights_are_mapped_not_copied(w_packages) -> None:
     torch.testing.assert_close(fxrt.load(path).state_dict()["layers.2.weight"], t_before)
 
 
+def test_load_keeps_what_the_model_needs(gpt2) -> None:
+    """The memory a load leaves behind (benchmarks/deploy.py measures it): the manifest is kept
+    as its text and parsed when asked for, repeated stack traces are one string, and fxrt's
+    source hash (a cache's versions check, read from every fxrt file) is not computed."""
+    from fxrt.fingerprint import source_hash
+
+    _, path = gpt2
+    data = path.read_bytes()
+    source_hash.cache_clear()
+    for m in (fxrt.load(path), fxrt.load(data)):
+        assert source_hash.cache_info().currsize == 0
+        assert m.manifest == _sections(data)[0]
+        assert m.manifest is m.manifest
+        assert repr(m).startswith(f"LoadedModel({m.manifest['module']}(input_ids, ")
+        traces = [n.stack_trace for n in m.graph.nodes if n.stack_trace]
+        assert len(traces) > len(set(traces))  # the layers share source lines...
+        assert len({id(t) for t in traces}) == len(set(traces))  # ...and their strings
+
+
 def test_strict_export(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()

@@ -34,11 +34,16 @@ Loading (after :func:`fxrt.deploy.package.read` has checked the structure and ha
    this exact fxrt and torch, a package from any that agree on the ops. The stored program must
    equal the one lowered here with the package's runtime options (on the export device; loading
    onto another device lowers for it and runs that), or the package is refused.
-4. Weights are views into the memory-mapped file (copy-on-write: a write changes this process's
-   page, never the file), moved to ``device`` if one is given, and must match the graph's
-   metadata for their inputs. With ``device``, the graph's device arguments and metadata are
-   retargeted from the export device to it.
+4. Weights are tensors on the memory-mapped file's pages (copy-on-write: a write changes this
+   process's page, never the file), moved to ``device`` if one is given, and must match the
+   graph's metadata for their inputs. With ``device``, the graph's device arguments and metadata
+   are retargeted from the export device to it.
 5. The tree specs are rebuilt from pytree's registry of this process only.
+
+What a loaded model keeps: the compiled graph (its IR, plan, program and executor), the
+signature, the weights, and the manifest's text (``LoadedModel.manifest`` parses it on first
+use). The parsed manifest is dropped part by part as the load uses it, since its peak stays
+resident in the allocator's pools; the file's pages before the weights are unmapped once parsed.
 
 Calls are thread-safe: the compiled graph makes a register file per call, and the weights are one
 tuple read once per call, which :meth:`LoadedModel.update_weights` replaces in one assignment.
@@ -60,13 +65,13 @@ from ..exec.inputs import InputError
 from ..ir.graph import OpKind
 from ..pipeline import lower_program
 from ..serialize import FORMAT as GRAPH_FORMAT
-from ..serialize import SerializationError, decode_graph, resolve_op, versions
+from ..serialize import SerializationError, decode_graph, resolve_op
 from . import package
 from .binder import Binder
 from .package import PackageError
 from .program_data import encode_program, first_difference
 from .signature import Signature, spec_from_json
-from .tensorfile import DTYPES
+from .tensorfile import DTYPES, loads_json
 
 _MANIFEST_KEYS = {
     "format",
@@ -184,10 +189,14 @@ def _build(
         return decode_tensor(record, bytes(raw.buf[start : start + (e.end - e.begin)]))
 
     # The versions check of cache artifacts does not apply: ops were checked by schema above.
-    graph, plan, pass_records, _ = decode_graph({**graph_doc, "versions": versions()}, fetch)
+    graph, plan, pass_records, _ = decode_graph(graph_doc, fetch, check_versions=False)
     for node in graph.nodes:
         if node.op.kind is OpKind.ATEN and node.op.name not in m["ops"]:
             raise _fail(f"node {node.name} calls {node.op.name}, which the ops table lacks")
+    # The graph's document is most of the parsed manifest: drop it now, so that lowering reuses
+    # its memory instead of adding to the peak (the allocator keeps a process's peak resident).
+    # LoadedModel.manifest parses the manifest's text again when asked for.
+    del graph_doc, graph_tensors, m["graph"]
 
     tensors = _weight_tensors(raw, records, target)
     if len(sig.inputs) != len(graph.inputs):
@@ -229,10 +238,13 @@ def _build(
             as_stored = CompilerConfig.from_options(None, {**runtime, "cache": False})
             check = lower_program(graph, plan, as_stored)
         _check_program(m["program"], check)
+    m.pop("program", None)
     cg = CompiledGraph(graph, plan, program, config)
     cg.pass_records = pass_records
     binder = Binder(sig, in_spec, None if device is None else target)
-    return LoadedModel(cg, sig, binder, out_spec, tensors, records, m, where)
+    return LoadedModel(
+        cg, sig, binder, out_spec, tensors, records, m.get("module"), raw.manifest_json, where
+    )
 
 
 def _check_program(stored: Any, program: Any) -> None:
@@ -308,8 +320,13 @@ def _weight_records(weights: dict[str, Any], entries: dict[str, Any]) -> dict[st
 def _weight_tensors(
     raw: package.RawPackage, records: dict[str, Any], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Each weight as a view of its entry in the mapped file (one base tensor per entry, so tied
-    names share memory), on ``device``."""
+    """Each weight on the storage of its entry in the mapped file (one storage per entry, so tied
+    names share memory), on ``device``.
+
+    A weight is a tensor of its own set on that storage (``set_``), as a module's parameter is,
+    not an autograd view of the entry (``as_strided``): it has no view bookkeeping, and the load
+    does not run autograd's view-tracking code (about 0.6 MiB of torch's code paged in at the
+    first load of a process, most of which a call does not run)."""
     bases: dict[str, torch.Tensor] = {}
     views: dict[Any, torch.Tensor] = {}
     out = {}
@@ -330,7 +347,9 @@ def _weight_tensors(
         key = (e.name, tuple(r["shape"]), tuple(r["stride"]), r["offset"])
         t = views.get(key)
         if t is None:
-            t = views[key] = base.as_strided(r["shape"], r["stride"], r["offset"])
+            t = views[key] = torch.empty(0, dtype=base.dtype, device=base.device).set_(
+                base.untyped_storage(), base.storage_offset() + r["offset"], r["shape"], r["stride"]
+            )
         out[name] = t
     return out
 
@@ -381,14 +400,19 @@ class LoadedModel:
         out_spec: pytree.TreeSpec,
         weights: dict[str, torch.Tensor],
         records: dict[str, Any],
-        manifest: dict[str, Any],
+        module: Any,
+        manifest_json: bytes,
         where: str,
     ):
         self.compiled = cg
         self.program = cg.program
         self.graph = cg.graph
         self.signature = sig
-        self.manifest = manifest
+        # The manifest is kept as its text (a fraction of the memory of the parsed objects, of
+        # which the graph and program documents are most) and parsed again when asked for.
+        self._manifest_json = manifest_json
+        self._manifest: dict[str, Any] | None = None
+        self._module = module
         self.path = where
         self._binder = binder
         self._out_spec = out_spec
@@ -527,13 +551,22 @@ class LoadedModel:
     # -- inspection
 
     @property
+    def manifest(self) -> dict[str, Any]:
+        """The package's manifest (parsed from its text on first use; the same object after)."""
+        if self._manifest is None:
+            with self._lock:
+                if self._manifest is None:
+                    self._manifest = loads_json(self._manifest_json, "manifest")
+        return self._manifest
+
+    @property
     def executor(self) -> str:
         return self.compiled.executor
 
     def __repr__(self) -> str:
         users = ", ".join(s.name for s in self.signature.user_inputs())
         return (
-            f"LoadedModel({self.manifest.get('module')}({users}) from {self.path}, "
+            f"LoadedModel({self._module}({users}) from {self.path}, "
             f"{len(self.graph.nodes)} nodes, executor={self.executor!r})"
         )
 

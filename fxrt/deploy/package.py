@@ -70,6 +70,7 @@ class RawPackage:
 
     buf: Any  # bytes-like: the whole file (an mmap when loaded from a path)
     manifest: Any
+    manifest_json: bytes  # the manifest's text as in the file (compact; decoded again on demand)
     entries: dict[str, Entry]
     metadata: dict[str, str]
     data_start: int
@@ -172,7 +173,10 @@ def read(buf: Any, *, verify_weights: bool = True) -> RawPackage:
     manifest_raw = bytes(buf[m_off : m_off + m_len])
     st_head = bytes(buf[w_off : w_off + 8 + head_len])
     want_meta, want_data = bytes(buf[56:88]), bytes(buf[88:120])
-    if hashlib.sha256(fixed + manifest_raw + st_head).digest() != want_meta:
+    meta_hash = hashlib.sha256(fixed)
+    meta_hash.update(manifest_raw)  # in parts: no copy of the manifest made for the hash
+    meta_hash.update(st_head)
+    if meta_hash.digest() != want_meta:
         raise PackageError("package is damaged: its structure does not match its SHA-256")
     if verify_weights:
         data_hash = hashlib.sha256()
@@ -193,7 +197,9 @@ def read(buf: Any, *, verify_weights: bool = True) -> RawPackage:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise PackageError(f"not an {FORMAT} package (format {str(found)[:40]!r})")
-    return RawPackage(buf, manifest, entries, metadata, data_start, size, verify_weights)
+    return RawPackage(
+        buf, manifest, manifest_raw, entries, metadata, data_start, size, verify_weights
+    )
 
 
 def read_path(path: str | os.PathLike[str], *, verify_weights: bool = True) -> RawPackage:
@@ -206,7 +212,15 @@ def read_path(path: str | os.PathLike[str], *, verify_weights: bool = True) -> R
         if size == 0:
             raise PackageError(f"{os.fspath(path)}: empty file, not an fxrt package")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return read(buf, verify_weights=verify_weights)
+    raw = read(buf, verify_weights=verify_weights)
+    # The prelude, the manifest (kept as a copy of its text) and the weights header are parsed:
+    # their pages leave this process. They are clean pages of a private mapping that nothing
+    # writes to (tensors start at the data), so this only unmaps them; were they read again, the
+    # kernel would map them from the file again. The weights' pages stay.
+    head = raw.data_start // mmap.PAGESIZE * mmap.PAGESIZE
+    if head and hasattr(mmap, "MADV_DONTNEED"):
+        buf.madvise(mmap.MADV_DONTNEED, 0, head)
+    return raw
 
 
 def _round_up(n: int, k: int) -> int:

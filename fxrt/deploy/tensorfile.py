@@ -107,21 +107,27 @@ def layout(
     return len(text).to_bytes(8, "little") + text, placed
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise TensorFileError(f"duplicate key {k[:60]!r}")
-        out[k] = v
-    return out
-
-
 def loads_json(data: bytes, what: str) -> Any:
-    """JSON from untrusted bytes: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting."""
+    """JSON from untrusted bytes: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting.
+
+    Equal long strings that are values of objects become one string object (a manifest repeats
+    each stack trace for every node of its source line: most of a transformer's graph text)."""
+    strings: dict[str, str] = {}
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise TensorFileError(f"duplicate key {k[:60]!r}")
+            if type(v) is str and len(v) > 64:
+                v = strings.setdefault(v, v)
+            out[k] = v
+        return out
+
     try:
         return json.loads(
             data.decode("utf-8"),
-            object_pairs_hook=_no_duplicates,
+            object_pairs_hook=no_duplicates,
             parse_constant=_reject_constant,
         )
     except TensorFileError as e:
