@@ -373,8 +373,11 @@ def test_update_weights_tied(gpt2) -> None:
     model, path = gpt2
     m = fxrt.load(path)
     other = copy.deepcopy(model)
+    # (a uniform shift of every weight leaves GPT-2 so ill-conditioned that eager's own
+    # attention kernels disagree by 2e-4)
+    g = torch.Generator().manual_seed(0)
     for p in other.parameters():
-        p.data.add_(0.1)
+        p.data.add_(torch.randn(p.shape, generator=g) * 0.02)  # a fine-tuned checkpoint
     m.update_weights(other.state_dict())  # lm_head.weight and wte: one tensor, both names
     ids = _ids(2, 6)
     with torch.no_grad():
