@@ -54,7 +54,7 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/compile_time.py --sizes 1000 3000 6000 15000
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/inductor.py --rounds 41 --clock cpu --python-loop
-	$(PY) benchmarks/clients.py --clock cpu
+	$(PY) benchmarks/clients.py --rounds 41 --gen-rounds 5 --clock cpu
 	$(PY) benchmarks/deploy.py --rounds 15 --clock cpu
 	$(PY) benchmarks/streams.py --rounds 15
 	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
