@@ -76,11 +76,15 @@ inline void run_kernel(const KernelOp& op, std::vector<c10::IValue>& regs) {
     }
     const c10::IValue& v = regs[static_cast<size_t>(arg.value)];
     if (arg.kind == KernelArg::POINTER) {
-      TORCH_CHECK(v.isTensor(), "kernel argument ", i, " is not a tensor but ", v.tagKind());
+      TORCH_CHECK(
+          v.isTensor() && v.toTensor().defined(), "kernel argument ", i,
+          " is not a defined tensor but ", v.tagKind());
       a[i] = reinterpret_cast<intptr_t>(v.toTensor().data_ptr());
-    } else {
-      TORCH_CHECK(v.isInt(), "kernel argument ", i, " is not an int but ", v.tagKind());
+    } else if (v.isInt()) {
       a[i] = v.toInt();
+    } else {
+      TORCH_CHECK(v.isBool(), "kernel argument ", i, " is not an int but ", v.tagKind());
+      a[i] = v.toBool() ? 1 : 0;  // what the binding reads from a Python bool
     }
   }
   detail::kKernelEntries[op.args.size()](op.fn, a.data());
