@@ -4,6 +4,8 @@
 * W2 ``MLP``: batch-1 MLP, 4 x Linear(256) with GELU and LayerNorm.
 * W3 ``DecoderBlock``: one pre-norm transformer decoder block (seq 16, hidden 128, 4 heads) with a
   causal attention mask; with ``cache_len`` set it also updates a KV cache in place.
+* Branch-parallel blocks for multiple streams (``TwoStacks``, ``MoE``, ``ParallelResidual``),
+  with their branches on a stream when built with ``manual=True``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .ops.streams import stream_scope
 
 
 class OpChain(nn.Module):
@@ -138,6 +142,90 @@ class KVCacheDecoder(nn.Module):
     def empty_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (len(self.blocks), batch, self.heads, max_len, self.head_dim)
         return torch.zeros(shape), torch.zeros(shape)
+
+
+class TwoStacks(nn.Module):
+    """Two independent stacks of ``depth`` Linear + GELU; ``manual`` puts one on a stream."""
+
+    def __init__(self, dim: int = 256, depth: int = 16, manual: bool = False):
+        super().__init__()
+        self.manual = manual
+        self.a = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.b = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    @staticmethod
+    def stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = F.gelu(layer(x))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.manual:
+            with stream_scope("b"):
+                b = self.stack(self.b, x)
+        else:
+            b = self.stack(self.b, x)
+        a = self.stack(self.a, x)
+        return a + b
+
+
+class MoE(nn.Module):
+    """A dense mixture of experts: every expert runs, weighted by the router's softmax;
+    ``manual`` puts half the experts on a stream."""
+
+    def __init__(self, dim: int = 256, n_experts: int = 4, manual: bool = False):
+        super().__init__()
+        self.manual = manual
+        self.router = nn.Linear(dim, n_experts)
+        self.up = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(n_experts))
+        self.down = nn.ModuleList(nn.Linear(2 * dim, dim) for _ in range(n_experts))
+
+    def expert(self, i: int, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.down[i](F.gelu(self.up[i](x))) * gate[..., i : i + 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        n = len(self.up)
+        if self.manual:  # half the experts on a side stream
+            with stream_scope("experts"):
+                side = [self.expert(i, x, gate) for i in range(n // 2, n)]
+        else:
+            side = [self.expert(i, x, gate) for i in range(n // 2, n)]
+        out = sum(self.expert(i, x, gate) for i in range(n // 2))
+        return out + sum(side)
+
+
+class ParallelResidual(nn.Module):
+    """A GPT-J style block, ``x + attn(ln(x)) + mlp(ln(x))``; ``manual`` puts the MLP on a
+    stream."""
+
+    def __init__(self, dim: int = 256, heads: int = 4, manual: bool = False):
+        super().__init__()
+        self.manual = manual
+        self.ln = nn.LayerNorm(dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        if self.manual:
+            with stream_scope("mlp"):
+                m = self.mlp(h)
+        else:
+            m = self.mlp(h)
+        b, t, d = h.shape
+        q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        a = self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + a + m
 
 
 def workloads() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]]:

@@ -84,28 +84,14 @@ def _build() -> Path:
     exe = out / "fxrt_runner"
     if exe.exists():
         return exe
-    cmake = _tools()
+    _tools()  # raises without the toolchain, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if exe.exists():
             return exe
         work = out / "build"  # kept for install(); a build that failed halfway resumes here
-        _run_steps(
-            [
-                [
-                    cmake,
-                    "-S",
-                    str(ROOT / "examples" / "cpp_runner"),
-                    "-B",
-                    str(work),
-                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-                    "-DCMAKE_BUILD_TYPE=Release",
-                ],
-                [cmake, "--build", str(work), "-j", _jobs()],
-            ],
-            "building examples/cpp_runner",
-        )
+        _build_runner(work, [f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"])
         shutil.copy2(work / "fxrt_runner", out / "fxrt_runner.tmp")
         os.replace(out / "fxrt_runner.tmp", exe)
     return exe
@@ -124,24 +110,25 @@ def install(prefix: Path) -> None:
 def build_consumer(prefix: Path, work: Path) -> Path:
     """The runner built again, against the runtime installed in ``prefix``
     (``find_package(fxrt CONFIG REQUIRED)``, ``-DFXRT_RUNNER_INSTALLED=ON``); its binary."""
+    _build_runner(
+        work,
+        ["-DFXRT_RUNNER_INSTALLED=ON", f"-DCMAKE_PREFIX_PATH={prefix}"],
+        "against the installed runtime",
+    )
+    return work / "fxrt_runner"
+
+
+def _build_runner(work: Path, defs: list[str], what: str = "") -> None:
+    """Configure examples/cpp_runner in ``work`` with ``defs`` (Release) and build it."""
     cmake = _tools()
     _run_steps(
         [
-            [
-                cmake,
-                "-S",
-                str(ROOT / "examples" / "cpp_runner"),
-                "-B",
-                str(work),
-                "-DFXRT_RUNNER_INSTALLED=ON",
-                f"-DCMAKE_PREFIX_PATH={prefix}",
-                "-DCMAKE_BUILD_TYPE=Release",
-            ],
+            [cmake, "-S", str(ROOT / "examples" / "cpp_runner"), "-B", str(work), *defs]
+            + ["-DCMAKE_BUILD_TYPE=Release"],
             [cmake, "--build", str(work), "-j", _jobs()],
         ],
-        "building examples/cpp_runner against the installed runtime",
+        " ".join(filter(None, ["building examples/cpp_runner", what])),
     )
-    return work / "fxrt_runner"
 
 
 def configure(source: Path, work: Path, *defs: str) -> subprocess.CompletedProcess[str]:

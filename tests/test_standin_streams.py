@@ -60,7 +60,7 @@ def test_stream_scope_model_on_device(dev, executor):
 
 
 def test_streams_auto_on_device(dev, executor):
-    from test_streams_auto import MoE
+    from fxrt.models import MoE
 
     torch.manual_seed(0)
     model = MoE(64, 4).eval()

@@ -11,49 +11,7 @@ from conftest import recording_compiles, skip_unless_executor
 from torch import nn
 
 from fxrt.ir import graph_to_text
-from fxrt.models import OpChain
-
-
-class MoE(nn.Module):
-    """A dense mixture of experts: every expert runs, weighted by the router's softmax."""
-
-    def __init__(self, dim: int = 256, n_experts: int = 4, hidden: int | None = None):
-        super().__init__()
-        hidden = hidden or 2 * dim
-        self.router = nn.Linear(dim, n_experts)
-        self.up = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(n_experts))
-        self.down = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.softmax(self.router(x), dim=-1)
-        out = 0
-        for i, (up, down) in enumerate(zip(self.up, self.down)):
-            out = out + down(nn.functional.gelu(up(x))) * gate[..., i : i + 1]
-        return out
-
-
-class ParallelResidual(nn.Module):
-    """A GPT-J style block: ``x + attn(ln(x)) + mlp(ln(x))``."""
-
-    def __init__(self, dim: int = 256, heads: int = 4):
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(x)
-        b, t, d = h.shape
-        q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        a = self.proj(a.transpose(1, 2).reshape(b, t, d))
-        m = self.fc2(nn.functional.gelu(self.fc1(h)))
-        return x + a + m
+from fxrt.models import MoE, OpChain, ParallelResidual
 
 
 def compile_auto(model: nn.Module, executor: str, **options):

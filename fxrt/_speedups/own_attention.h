@@ -23,14 +23,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/SmallVector.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 namespace fxrt {
 
@@ -203,7 +204,7 @@ inline bool small_attention(
     if (!plain_f32(m) || m.dim() > 4) {
       return false;
     }
-    std::vector<int64_t> shape{B, H, L, S};
+    const std::array<int64_t, 4> shape{B, H, L, S};
     for (int64_t d = 0; d < m.dim(); ++d) {
       int64_t size = m.size(m.dim() - 1 - d);
       if (size != 1 && size != shape[3 - d]) {
@@ -238,7 +239,8 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
       mask = attn_mask->expand({B, H, L, S});
     }
     const int64_t Sp = padded(S), Dp = padded(D);
-    std::vector<float> scratch(static_cast<size_t>(D * Sp + S * Dp + Sp));  // zeros
+    // Zeros; on the stack up to 16 KiB (every problem of the client models' sizes).
+    c10::SmallVector<float, 4096> scratch(static_cast<size_t>(D * Sp + S * Dp + Sp), 0.0f);
     bool ok = true;
     for (int64_t b = 0; b < B && ok; ++b) {
       for (int64_t hq = 0; hq < H && ok; ++hq) {
