@@ -95,6 +95,41 @@ def test_fold_constants_with_size_cap():
     torch.testing.assert_close(folded[-1], torch.arange(4.0).exp() * 2)
 
 
+def test_fold_constants_folds_what_depends_on_no_input():
+    # A causal mask built in forward (W3's): the same tensor on every call, folded once. Random
+    # factories draw anew each call, and a result the caller receives must be a new tensor each
+    # call: both stay.
+    def f(x):
+        mask = torch.ones(4, 4, dtype=torch.bool).tril()
+        noise = torch.randn(4, 4)
+        return x.masked_fill(~mask, 0.0) + noise, torch.zeros(4)
+
+    g = verify(eliminate_dead_code(fold_constants(ir_of(f, torch.randn(4, 4)), foldable=frozenset())))
+    ops = [n.op.name for n in g.nodes]
+    assert not {"aten::ones", "aten::tril", "aten::bitwise_not"} & set(ops), ops
+    assert "aten::randn" in ops and "aten::zeros" in ops
+    masks = [c for c in g.constants.values() if isinstance(c, torch.Tensor) and c.dtype == torch.bool]
+    assert len(masks) == 1  # the intermediate ones and tril are gone with their last use
+    torch.testing.assert_close(masks[0], ~torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_folded_causal_mask_through_torch_compile(executor):
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DecoderBlock(32, 2).eval()
+    options = {"pure_python": executor == "python", "cache": False}
+    with recording_compiles() as compiled, torch.no_grad():
+        fn = torch.compile(model, backend="fxrt", options=options)
+        for _ in range(2):  # two calls, different values
+            x = torch.randn(1, 8, 32)
+            torch.testing.assert_close(fn(x), model(x))
+    assert compiled
+    for cg in compiled:
+        ops = {n.op.name for n in cg.graph.nodes}
+        assert not {"aten::ones", "aten::tril"} & ops, sorted(ops)
+
+
 def test_fold_constants_never_folds_mutated_buffers():
     class M(torch.nn.Module):
         def __init__(self):

@@ -1,7 +1,9 @@
 """Constant folding: run, at compile time, pure ops whose inputs are all constants.
 
 Only constants the caller cannot reach are folded through: tensor literals of Dynamo's graph (its
-parameters and buffers are graph inputs), and the results of earlier folds. A graph handed to
+parameters and buffers are graph inputs), pure ops of no input at all (a causal mask made in
+``forward`` as ``torch.ones(s, s, dtype=torch.bool).tril()``: the same tensor every call), and the
+results of earlier folds. Random factories are not pure and stay. A graph handed to
 ``compile_graph`` holds the caller's weights as constants; those stay live (an in-place update
 after compiling changes the next result, and autograd reaches them) and are folded only when the
 user asks for ``freeze``, which promises that they never change. ``foldable`` says which constants
@@ -40,9 +42,12 @@ def _nbytes(x: Any) -> int:
 def fold_constants(
     graph: Graph, max_bytes: int = DEFAULT_MAX_BYTES, foldable: Collection[int] | None = None
 ) -> Graph:
-    if not any(foldable is None or v in foldable for v in graph.constants):
-        # Nothing to fold through (the usual case: compile_graph folds only frozen weights), so
-        # no node can fold: skip the alias analysis, which walks the whole graph.
+    if not any(foldable is None or v in foldable for v in graph.constants) and not any(
+        not n.input_ids() and is_pure(n) for n in graph.nodes
+    ):
+        # Nothing to fold through (the usual case: compile_graph folds only frozen weights) and
+        # nothing made from no input, so no node can fold: skip the alias analysis, which walks
+        # the whole graph.
         return graph
     root = alias_roots(graph)  # once per pass
     mutated = mutated_alias_roots(graph, root)
@@ -52,12 +57,11 @@ def fold_constants(
         for v, c in graph.constants.items()
         if root[v] not in mutated and (foldable is None or v in foldable)
     }
-    kept = []
+    kept, made = [], []
     for node in graph.nodes:
         ins = node.input_ids()
         if (
             not is_pure(node)
-            or not ins
             or not all(v in known for v in ins)
             or any(root[v] in mutated or root[v] in returned for v in node.outputs)
         ):
@@ -75,6 +79,7 @@ def fold_constants(
         if _nbytes(values) > max_bytes:
             kept.append(node)
             continue
+        made += node.outputs
         for vid, val in zip(node.outputs, values):
             known[vid] = val
             graph.constants[vid] = val
@@ -82,4 +87,10 @@ def fold_constants(
             if isinstance(val, torch.Tensor):
                 graph.values[vid] = type(old)(vid, old.name, ValueKind.TENSOR, tensor_meta(val))
     graph.nodes = kept
+    # A fold's result that only later folds read (the ones under a folded tril) is gone with them:
+    # the graph would otherwise keep, load and store it for nothing.
+    used = {v for n in kept for v in n.input_ids()} | set(graph.output_ids())
+    for vid in made:
+        if vid not in used:
+            del graph.constants[vid]
     return graph
