@@ -104,11 +104,15 @@ def test_fold_constants_folds_what_depends_on_no_input():
         noise = torch.randn(4, 4)
         return x.masked_fill(~mask, 0.0) + noise, torch.zeros(4)
 
-    g = verify(eliminate_dead_code(fold_constants(ir_of(f, torch.randn(4, 4)), foldable=frozenset())))
+    g = verify(
+        eliminate_dead_code(fold_constants(ir_of(f, torch.randn(4, 4)), foldable=frozenset()))
+    )
     ops = [n.op.name for n in g.nodes]
     assert not {"aten::ones", "aten::tril", "aten::bitwise_not"} & set(ops), ops
     assert "aten::randn" in ops and "aten::zeros" in ops
-    masks = [c for c in g.constants.values() if isinstance(c, torch.Tensor) and c.dtype == torch.bool]
+    masks = [
+        c for c in g.constants.values() if isinstance(c, torch.Tensor) and c.dtype == torch.bool
+    ]
     assert len(masks) == 1  # the intermediate ones and tril are gone with their last use
     torch.testing.assert_close(masks[0], ~torch.ones(4, 4, dtype=torch.bool).tril())
 

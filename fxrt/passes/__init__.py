@@ -23,6 +23,7 @@ from ..ir import Graph
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_constants import DEFAULT_MAX_BYTES, fold_constants
+from .fuse_attention import fuse_attention
 from .remove_noops import remove_noops
 
 # ``fold_constants`` takes two more arguments, from the config (see fxrt.pipeline).
@@ -31,14 +32,17 @@ PASSES: dict[str, Callable[..., Graph]] = {
     "remove_noops": remove_noops,
     "eliminate_common_subexpressions": eliminate_common_subexpressions,
     "fold_constants": fold_constants,
+    "fuse_attention": fuse_attention,
 }
 
-# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding.
+# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding
+# and attention fusion (after folding, which turns a mask made in forward into a constant).
 LEVELS: dict[int, tuple[str, ...]] = {
     0: (),
     1: ("remove_noops", "eliminate_common_subexpressions", "eliminate_dead_code"),
     2: (
         "fold_constants",
+        "fuse_attention",
         "remove_noops",
         "eliminate_common_subexpressions",
         "eliminate_dead_code",
@@ -69,5 +73,6 @@ __all__ = [
     "eliminate_common_subexpressions",
     "eliminate_dead_code",
     "fold_constants",
+    "fuse_attention",
     "remove_noops",
 ]

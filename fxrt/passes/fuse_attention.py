@@ -1,0 +1,308 @@
+"""Attention fusion: attention written out by hand becomes the op ``scaled_dot_product_attention``
+runs on the CPU.
+
+A model that computes ``softmax(q @ k.transpose(-2, -1) / c [masked]) @ v`` itself (fxrt's W3,
+nanoGPT-style blocks, "eager" attention of older model code) traces to two ``bmm`` with the
+``view``s around them, a scale, a mask, and ``_softmax``: five kernel calls and three
+intermediates per attention. When the pieces are exactly that, this pass replaces them with one
+``aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=1/c)``, as Inductor's
+``fuse_attention`` does; fxrt's own ``fxrt::attention`` then runs it for small problems.
+
+Matched, on static float32 CPU tensors ``q [B, H, L, D]``, ``k [B, H, S, D]``, ``v [B, H, S, D]``:
+
+* scores ``bmm(view(q), view(transpose(k, -2, -1)))`` viewed back to ``[B, H, L, S]``;
+* an optional scale: ``div`` or ``mul`` by a number;
+* an optional mask: ``masked_fill(scores, m, -inf)`` with ``m`` a constant boolean tensor (after
+  constant folding, a mask made in ``forward`` is one). A lower-triangular keep-mask is
+  ``is_causal``; any other becomes an additive float mask. A row every key of which is masked
+  (eager's softmax gives NaN there, the flash kernel zeros) stops the match;
+* ``_softmax(-1)``, then ``bmm(view(probs), view(v))`` viewed back to ``[B, H, L, D]``;
+* every intermediate read only by the next step (a model that also returns its attention weights
+  keeps its ops), and nothing written in place between the first read and the last.
+
+Values differ from eager's in the last bits (the order of the additions, the exponential's
+approximation), as between eager's own attention backends. The result's layout is eager's: the
+fused op lays its output out ``[B, L, H, D]``; when the graph reads it through
+``transpose(1, 2)`` into a contiguous copy (the usual merge of the heads), the transpose reads the
+fused output directly and the copy becomes a no-op, else one contiguous copy restores the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..ir.from_fx import tensor_meta
+from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind
+from .analysis import alias_roots, replace_uses, written_values
+
+aten = torch.ops.aten
+_RESHAPES = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape"})
+_FUSED = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@dataclass
+class _Match:
+    q: int
+    k: int
+    v: int
+    scale: float
+    causal: bool
+    mask: torch.Tensor | None
+    nodes: list[Node]  # scores bmm ... output view, in graph order
+    out: int  # the [B, H, L, D] value the fused op replaces
+    dropped: int | None  # the constant boolean mask the masked_fill read
+
+
+class _Matcher:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.producer = {v: n for n in graph.nodes for v in n.outputs}
+        self.uses = Counter(v for n in graph.nodes for v in n.input_ids())
+        self.uses.update(graph.output_ids())
+
+    def meta(self, vid: int) -> TensorMeta | None:
+        return self.graph.values[vid].meta
+
+    def node(self, vid: Any, *names: str) -> Node | None:
+        """The node that makes ``vid`` when it is one of ``names`` and nothing else reads it."""
+        if not isinstance(vid, Ref) or self.uses[vid.id] != 1:
+            return None
+        n = self.producer.get(vid.id)
+        return n if n is not None and n.op.name in names and not n.multi else None
+
+    def through_expand(self, ref: Any, chain: list[Node] | None = None) -> Any:
+        """What ``ref`` reads when it is an ``expand`` to its own shape (a no-op that matmul's
+        decomposition leaves), else ``ref``; with ``chain``, only a sole reader's, recorded."""
+        n = self.producer.get(ref.id) if isinstance(ref, Ref) else None
+        if n is None or n.op.name != "aten::expand" or not isinstance(n.args[0], Ref):
+            return ref
+        if self.meta(n.args[0].id).shape != self.meta(ref.id).shape:
+            return ref
+        if chain is not None:
+            if self.uses[ref.id] != 1:
+                return ref
+            chain.append(n)
+        return n.args[0]
+
+    def unview(self, ref: Any, shape: tuple[int, ...]) -> int | None:
+        """``ref`` is a reshape of a 4-D value of ``shape`` (which other nodes may read too)."""
+        if not isinstance(ref, Ref):
+            return None
+        n = self.producer.get(ref.id)
+        if n is None or n.op.name not in _RESHAPES or not isinstance(n.args[0], Ref):
+            return None
+        src = self.through_expand(n.args[0]).id
+        meta = self.meta(src)
+        return src if meta is not None and tuple(meta.shape) == shape else None
+
+    def match(self, bmm2: Node) -> _Match | None:
+        # out = view(bmm(view(softmax(masked(scaled(view(bmm(q', k'^T')))))), view(v)))
+        out_view = self._sole_reader(bmm2.outputs[0], _RESHAPES)
+        probs3 = self.node(bmm2.args[0], *_RESHAPES)
+        if out_view is None or probs3 is None:
+            return None
+        out = out_view.outputs[0]
+        meta = self.meta(out)
+        if not _usable(meta) or len(meta.shape) != 4:
+            return None
+        B, H, L, D = meta.shape
+        expands: list[Node] = []
+        softmax = self.node(self.through_expand(probs3.args[0], expands), "aten::_softmax")
+        if softmax is None or softmax.args[1] not in (-1, 3) or softmax.args[2]:
+            return None
+        S = self.meta(softmax.outputs[0]).shape[-1]
+        if tuple(self.meta(softmax.outputs[0]).shape) != (B, H, L, S):
+            return None
+        x, causal, mask = softmax.args[0], False, None
+        masked = self.node(x, "aten::masked_fill.Scalar")
+        if masked is not None:
+            keep = self._keep_mask(masked, (B, H, L, S))
+            if keep is None:
+                return None
+            tril = torch.ones(L, S, dtype=torch.bool).tril()
+            causal = bool(torch.equal(keep.expand(B, H, L, S), tril.expand(B, H, L, S)))
+            if not causal:
+                mask = torch.zeros(keep.shape).masked_fill_(~keep, -math.inf)
+            x = masked.args[0]
+        scale, scaled = 1.0, self.node(x, "aten::div.Tensor", "aten::mul.Tensor")
+        if scaled is not None:
+            c = scaled.args[1]
+            if type(c) not in (int, float) or not math.isfinite(c) or c == 0:
+                return None
+            scale = 1.0 / c if scaled.op.name == "aten::div.Tensor" else float(c)
+            x = scaled.args[0]
+        scores4 = self.node(x, *_RESHAPES)
+        bmm1 = scores4 and self.node(scores4.args[0], "aten::bmm")
+        if not bmm1:
+            return None
+        q = self.unview(bmm1.args[0], (B, H, L, D))
+        kt = self.unview(bmm1.args[1], (B, H, D, S))
+        v = self.unview(bmm2.args[1], (B, H, S, D))
+        k_node = kt is not None and self.producer.get(kt)
+        if q is None or v is None or not k_node or k_node.op.name != "aten::transpose.int":
+            return None
+        if sorted(d % 4 for d in k_node.args[1:3]) != [2, 3]:
+            return None
+        k = k_node.args[0].id
+        if not all(_usable(self.meta(t)) for t in (q, k, v)):
+            return None
+        chain = (bmm1, scores4, scaled, masked, softmax, *expands, probs3, bmm2, out_view)
+        nodes = [n for n in self.graph.nodes if any(n is c for c in chain)]
+        dropped = masked.args[1].id if masked is not None else None
+        return _Match(q, k, v, scale, causal, mask, nodes, out, dropped)
+
+    def _sole_reader(self, vid: int, names: frozenset[str]) -> Node | None:
+        if self.uses[vid] != 1:
+            return None
+        readers = [n for n in self.graph.nodes if vid in n.input_ids()]
+        return readers[0] if readers[0].op.name in names else None
+
+    def _keep_mask(self, masked: Node, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Where ``masked_fill(scores, m, -inf)`` keeps scores (a constant, every row keeping
+        one), broadcast to 4-D; None otherwise."""
+        m, fill = masked.args[1], masked.args[2]
+        if not isinstance(m, Ref) or fill != -math.inf or m.id not in self.graph.constants:
+            return None
+        drop = self.graph.constants[m.id]
+        if not isinstance(drop, torch.Tensor) or drop.dtype != torch.bool or drop.dim() > 4:
+            return None
+        try:
+            keep = (~drop).reshape((1,) * (4 - drop.dim()) + tuple(drop.shape))
+            torch.broadcast_shapes(keep.shape, shape)
+        except RuntimeError:
+            return None
+        if not bool(keep.any(-1).all()):
+            return None
+        return keep
+
+
+def _usable(meta: TensorMeta | None) -> bool:
+    return (
+        meta is not None and meta.is_static and meta.dtype == torch.float32 and meta.device == "cpu"
+    )
+
+
+def _cpu_meta(fake: torch.Tensor) -> TensorMeta:
+    """The meta of the CPU tensor that ``fake`` (on the meta device) stands for."""
+    return dataclasses.replace(tensor_meta(fake), device="cpu")
+
+
+def _contiguous(meta: TensorMeta) -> bool:
+    expected, stride = [], 1
+    for size in reversed(meta.shape):
+        expected.append(stride)
+        stride *= size
+    return all(s == 1 or a == b for s, a, b in zip(meta.shape, meta.stride, reversed(expected)))
+
+
+def fuse_attention(graph: Graph) -> Graph:
+    if not any(n.op.name == "aten::_softmax" for n in graph.nodes):
+        return graph  # most graphs: nothing to look at
+    fused = 0
+    while (match := _find(graph)) is not None:
+        _rewrite(graph, match, fused)
+        fused += 1
+    return graph
+
+
+def _find(graph: Graph) -> _Match | None:
+    matcher = _Matcher(graph)
+    root = None
+    for node in graph.nodes:
+        if node.op.name != "aten::bmm" or (m := matcher.match(node)) is None:
+            continue
+        root = root or alias_roots(graph)
+        if not _written_between(graph, m, root):
+            return m
+    return None
+
+
+def _written_between(graph: Graph, m: _Match, root: tuple[int, ...]) -> bool:
+    # The fused op reads q, k and v where the second bmm was; nothing may write them before that.
+    first, last = graph.nodes.index(m.nodes[0]), graph.nodes.index(m.nodes[-1])
+    read = {root[m.q], root[m.k], root[m.v]}
+    return any(root[w] in read for n in graph.nodes[first:last] for w in written_values(n))
+
+
+def _rewrite(graph: Graph, m: _Match, index: int) -> None:
+    names = {n.name for n in graph.nodes} | {v.name for v in graph.values}
+    base = f"attention_{index}"
+    while base in names:
+        base += "_"
+    kwargs: dict[str, Any] = {"attn_mask": None, "scale": m.scale}
+    if m.mask is not None:
+        mask = graph.add_value(f"{base}_mask", ValueKind.TENSOR, tensor_meta(m.mask))
+        graph.constants[mask] = m.mask
+        kwargs["attn_mask"] = Ref(mask)
+    metas = [graph.values[v].meta for v in (m.q, m.k, m.v)]
+    fake = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta") for t in metas]
+    mask_fake = None if m.mask is None else m.mask.to("meta")
+    out_fake, lse_fake = _FUSED(*fake, 0.0, m.causal, attn_mask=mask_fake, scale=m.scale)
+    out = graph.add_value(base, ValueKind.TENSOR, _cpu_meta(out_fake))
+    lse = graph.add_value(f"{base}_logsumexp", ValueKind.TENSOR, _cpu_meta(lse_fake))
+    node = Node(
+        base,
+        Op.of(_FUSED),
+        (Ref(m.q), Ref(m.k), Ref(m.v), 0.0, m.causal),
+        kwargs,
+        [out, lse],
+        multi=True,
+        stack_trace=m.nodes[-1].stack_trace,
+    )
+    at = graph.nodes.index(m.nodes[-1])
+    new = [node]
+    replacement = out
+    if tuple(out_fake.stride()) != tuple(graph.values[m.out].meta.stride):
+        replacement = _relayout(graph, m.out, out, base, new)
+    for n in m.nodes:
+        graph.nodes.remove(n)
+    graph.nodes[at - len(m.nodes) + 1 : at - len(m.nodes) + 1] = new
+    replace_uses(graph, {m.out: replacement})
+    if m.dropped is not None and not any(m.dropped in n.input_ids() for n in graph.nodes):
+        del graph.constants[m.dropped]  # the boolean mask, now read by nothing
+
+
+def _relayout(graph: Graph, old: int, out: int, base: str, new: list[Node]) -> int:
+    """The value that stands for ``old`` (contiguous) when the fused output ``out`` is laid out
+    otherwise: ``out`` itself when every reader is ``transpose(1, 2)`` whose readers copy it to a
+    contiguous tensor (their results are the same either way; the transposes' layouts are
+    updated, and the copies become no-ops), else a contiguous copy of ``out``."""
+    readers = [n for n in graph.nodes if old in n.input_ids()]
+    out_meta = graph.values[out].meta
+
+    def merges_heads(n: Node) -> bool:
+        if n.op.name != "aten::transpose.int" or sorted(d % 4 for d in n.args[1:3]) != [1, 2]:
+            return False
+        t = n.outputs[0]
+        copies = [r for r in graph.nodes if t in r.input_ids()]
+        return bool(copies) and all(
+            r.op.name == "aten::clone"
+            and r.kwargs.get("memory_format") == torch.contiguous_format
+            and t not in graph.output_ids()
+            for r in copies
+        )
+
+    if readers and _contiguous(graph.values[old].meta) and all(map(merges_heads, readers)):
+        fake = torch.empty_strided(out_meta.shape, out_meta.stride, device="meta")
+        for n in readers:
+            t = graph.values[n.outputs[0]]
+            meta = _cpu_meta(fake.transpose(*n.args[1:3]))
+            graph.values[t.id] = dataclasses.replace(t, meta=meta)
+        return out
+    copy = graph.add_value(f"{base}_contiguous", ValueKind.TENSOR, graph.values[old].meta)
+    new.append(
+        Node(
+            f"{base}_contiguous",
+            Op.of(aten.clone.default),
+            (Ref(out),),
+            {"memory_format": torch.contiguous_format},
+            [copy],
+        )
+    )
+    return copy
