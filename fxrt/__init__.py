@@ -7,8 +7,9 @@ Use it as a ``torch.compile`` backend::
 or compile an ATen-level FX graph directly with :func:`compile_graph`, or deploy without Dynamo:
 ``fxrt.export(model, args).save("model.fxrt")`` and ``fxrt.load("model.fxrt")``.
 
-The public names are imported on first use, so that ``python -m fxrt cache list`` answers
-without importing torch; ``import fxrt`` followed by any attribute access loads them all.
+The public names are imported on first use, each with only its own module: ``python -m fxrt
+cache list`` answers without importing torch, and ``fxrt.load`` imports what a load runs, not
+the torch.compile backend, Inductor's glue or the export side.
 """
 
 from __future__ import annotations
@@ -75,11 +76,6 @@ __all__ = [
 assert set(__all__) == {*_PUBLIC, "__version__"}
 
 
-def _load_all() -> None:
-    for name, module in _PUBLIC.items():
-        globals()[name] = getattr(importlib.import_module(module, __name__), name)
-
-
 class _Package(types.ModuleType):
     """The package's module type: importing the submodule ``fxrt.backend`` (how torch finds the
     backend by name) must not rebind the public ``fxrt.backend``, which is the function."""
@@ -94,9 +90,11 @@ sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        _load_all()
-        return globals()[name]
+    module = _PUBLIC.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
     try:
         return importlib.import_module(f".{name}", __name__)  # a submodule: fxrt.cache
     except ModuleNotFoundError:

@@ -8,8 +8,8 @@ buffer and input mutations, dynamic shapes and the errors for inputs outside the
 other threads never mixing two weight sets), hostile files (flipped bytes, truncations, bad
 lengths and offsets, unknown ops, changed schemas, Python names and module imports smuggled into
 the manifest, and a fuzz loop over re-hashed mutations: always a PackageError, never a crash or
-code), ``python -m fxrt inspect``, loading in fresh processes, ``device=``, and the weights
-section read by the ``safetensors`` package.
+code), ``python -m fxrt inspect``, loading in fresh processes (and what a load imports there),
+``device=``, and the weights section read by the ``safetensors`` package.
 """
 
 from __future__ import annotations
@@ -772,6 +772,60 @@ def test_load_in_fresh_process(w_packages, gpt2, tmp_path: Path) -> None:
     assert "not registered" in got["unregistered"]
     assert got["gpt2"] == "CausalLMOutputWithCrossAttentions"
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.fxrt"))
+
+
+LEAN_CHILD = r"""
+import json, sys, torch
+package, io = sys.argv[1:3]
+x, want = torch.load(io)
+before = set(sys.modules)
+import fxrt
+m = fxrt.load(package)
+got = m(x)
+new = sorted(set(sys.modules) - before)  # before assert_close, which imports sympy itself
+torch.testing.assert_close(got, want)
+print(json.dumps({"executor": m.executor, "new": new}))
+"""
+# What a static package's load and first call must not import (where ``import torch`` has not
+# already): sympy and torch's symbolic shapes, Dynamo, Inductor, export and decompositions, and
+# fxrt's torch.compile backend, Inductor glue and export side.
+HEAVY = (
+    "sympy",
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.export",
+    "torch._decomp",
+    "torch.fx.experimental.symbolic_shapes",
+    "fxrt.backend",
+    "fxrt.inductor",
+    "fxrt.deploy.build",
+)
+
+
+@pytest.mark.parametrize("executor", ["python", "cpp"])
+def test_load_imports_only_the_runtime(w_packages, tmp_path: Path, executor: str) -> None:
+    """``import fxrt; fxrt.load(p)(x)`` in a process that has only imported torch: eager's answer,
+    and none of the modules above (sympy alone is ~30 MiB and 0.4 s)."""
+    skip_unless_executor(executor)
+    model, (x,), path = w_packages["W2"]
+    with torch.no_grad():
+        torch.save((x, model(x)), tmp_path / "io.pt")
+    env = {k: v for k, v in os.environ.items() if k != "FXRT_PURE_PYTHON"}
+    if executor == "python":
+        env["FXRT_PURE_PYTHON"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", LEAN_CHILD, str(path), str(tmp_path / "io.pt")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["executor"] == executor
+    imported = [h for h in HEAVY if any(m == h or m.startswith(f"{h}.") for m in got["new"])]
+    assert not imported, f"loading and calling a static package imported {', '.join(imported)}"
 
 
 def test_device_argument(w_packages) -> None:

@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and the passes are functions of the IR.
+"""The package's import graph: no cycles, the passes are functions of the IR, and the load path
+stays off the compile side.
 
 Every ``import`` statement of every fxrt module counts, function-local ones included: an import
 moved into a function hides a cycle from Python's import machinery, not from the design.
@@ -90,3 +91,52 @@ def test_passes_import_nothing_from_exec():
         if t.startswith("fxrt.exec")
     }
     assert not bad, sorted(bad)
+
+
+def _imported_on_import(path: Path) -> set[str]:
+    """The modules a file imports while it is itself imported: not in functions, nor under
+    ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+    todo: list[ast.AST] = list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(f"{p}.") for p in packages)
+
+
+def test_load_path_stays_off_the_compile_side():
+    """Whatever ``fxrt.load`` may import (function-local imports included) reaches neither the
+    torch.compile entry, Inductor's glue nor the export side, and none of it imports sympy,
+    Dynamo, Inductor, torch.export or torch._decomp on import: a static package loads without
+    them (sympy comes in, from inside a function, for symbolic sizes only). tests/test_deploy.py
+    checks what a load actually imports."""
+    graph, modules = _imports(), _modules()
+    closure, todo = set(), ["fxrt.deploy.loaded"]
+    while todo:
+        m = todo.pop()
+        if m not in closure:
+            closure.add(m)
+            todo.extend(graph[m])
+    compile_side = ("fxrt.backend", "fxrt.inductor", "fxrt.deploy.build")
+    reached = sorted(m for m in closure if _within(m, compile_side))
+    assert not reached, f"the load path reaches {reached}"
+    heavy = ("sympy", "torch._dynamo", "torch._inductor", "torch.export", "torch._decomp")
+    bad = sorted(
+        (m, name)
+        for m in closure
+        for name in _imported_on_import(modules[m])
+        if _within(name, heavy)
+    )
+    assert not bad, f"imported on import by modules of the load path: {bad}"
