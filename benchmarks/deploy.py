@@ -145,8 +145,10 @@ class CppRunner:
             stdout=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        if not self.proc.stdout.readline().startswith("loaded"):
-            raise RuntimeError(f"the C++ runner did not load {package}")
+        # The runner's two header lines: "loaded ..." and "weights: ... mapped from the file".
+        header = [self.proc.stdout.readline() for _ in range(2)]
+        if not header[0].startswith("loaded") or not header[1].startswith("weights:"):
+            raise RuntimeError(f"the C++ runner did not load {package}: {header}")
 
     def batch(self, n: int) -> float:
         self.proc.stdin.write(f"{n}\n")
@@ -192,7 +194,8 @@ import torch
 torch.set_num_threads(1)
 kind, path, hf = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 import fxrt
-fxrt.runtime_info()  # every public module imported and the extension loaded
+fxrt.runtime_info()  # the extension loaded
+import fxrt.deploy.loaded  # noqa: F401 - what a load imports (imports are not the load)
 if kind == "aoti":
     import torch._inductor.package  # noqa: F401 - imports are not the load
 if hf:

@@ -67,9 +67,18 @@ from .ir import Graph, from_fx, verify
 from .ir.snapshot import Snapshot, changed_since
 from .ir.to_fx import to_fx
 from .ops.overrides import apply_kernel_overrides
+from .ops.own_ops import available as own_ops_available
 from .ops.own_ops import use_own_ops
-from .passes import DEFAULT_MAX_BYTES, PASSES, PassError, PassRecord, fold_constants
+from .passes import (
+    DEFAULT_MAX_BYTES,
+    PASSES,
+    PassError,
+    PassRecord,
+    fold_constants,
+    fuse_attention,
+)
 from .passes.assign_streams import assign_streams
+from .passes.fuse_attention import FUSED_ATTENTION
 from .passes.streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
 
@@ -184,6 +193,11 @@ def _builtin_pass(name: str) -> Callable[[Compilation], None]:
             foldable = None if c.owned_constants or c.config.freeze else frozenset()
             max_bytes = c.config.fold_max_bytes or DEFAULT_MAX_BYTES
             c.graph = fold_constants(c.graph, max_bytes, foldable=foldable)
+        elif fn is fuse_attention:
+            # Only where fxrt::attention will run the fused op: ATen's flash kernel costs more
+            # than the unfused ops at the sizes it is for.
+            if c.config.own_ops and FUSED_ATTENTION in own_ops_available():
+                c.graph = fuse_attention(c.graph)
         else:
             c.graph = fn(c.graph)
 
