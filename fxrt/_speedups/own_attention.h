@@ -25,6 +25,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -92,12 +93,16 @@ inline int64_t padded(int64_t n) {
   return (n + kLanes - 1) / kLanes * kLanes;
 }
 
-// One head: L queries over S keys of D features, in blocks of kLanes keys (scores) and kLanes
-// features (the weighted sum of values), each block's sums held in registers. `kt` (D x Sp, the
-// keys transposed), `vp` (S x Dp, the values) and `p` (Sp) are scratch, zero where padded (Sp and
-// Dp are S and D rounded up to kLanes). False when a row has no key left (ATen's call then
-// computes the whole problem). Compiled for each vector width and picked at load time.
-[[gnu::target_clones("avx512f", "avx2", "default")]] static bool run_head(
+constexpr int64_t kRows = 4;  // queries computed together: independent sums hide FMA latency
+
+// One head: L queries over S keys of D features. Queries go R at a time, keys in blocks of kLanes
+// (scores) and features in blocks of kLanes (the weighted sum of values), each block's sums held
+// in registers: R independent sums per step, so the multiply-adds' latency overlaps. `kt` (D x Sp,
+// the keys transposed), `vp` (S x Dp, the values) and `p` (R x Sp) are scratch, zero where padded
+// (Sp and Dp are S and D rounded up to kLanes). False when a row has no key left (ATen's call then
+// computes the whole problem). Inlined into run_head, compiled for each vector width.
+template <int64_t R>
+[[gnu::always_inline]] inline bool head_rows(
     const Head& h,
     int64_t L,
     int64_t S,
@@ -116,59 +121,104 @@ inline int64_t padded(int64_t n) {
       vp[j * Dp + d] = v[d];
     }
   }
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t n = causal ? std::min(i + 1, S) : S;
-    const float* q = h.q + i * h.q_row;
-    const float* m = h.mask != nullptr ? h.mask + i * h.mask_row : nullptr;
-    // Scores, block by block: scaled, masked, keys past n at -inf; their maximum.
-    Lanes top = kNegInf;
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      Lanes acc = {};
+  for (int64_t i0 = 0; i0 < L; i0 += R) {
+    const int64_t rows = std::min(R, L - i0);
+    // Past the last query, a block's spare rows repeat it; their results are not stored.
+    std::array<const float*, R> q;
+    std::array<const float*, R> m;
+    std::array<int64_t, R> n;  // keys row r sees
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = i0 + std::min(r, rows - 1);
+      q[r] = h.q + i * h.q_row;
+      m[r] = h.mask != nullptr ? h.mask + i * h.mask_row : nullptr;
+      n[r] = causal ? std::min(i + 1, S) : S;
+    }
+    const int64_t keys = *std::max_element(n.begin(), n.end());
+    // Scores, block by block: scaled, masked, keys past n at -inf; each row's maximum.
+    std::array<Lanes, R> top;
+    top.fill(kNegInf);
+    for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
+      std::array<Lanes, R> acc{};
       for (int64_t d = 0; d < D; ++d) {
-        acc += q[d] * load_lanes(kt + d * Sp + j0);
-      }
-      acc *= scale;
-      if (m != nullptr) {
-        Lanes add = {};
-        for (int64_t l = 0; l < std::min(kLanes, n - j0); ++l) {
-          add[l] = m[(j0 + l) * h.mask_col];
+        const Lanes k = load_lanes(kt + d * Sp + j0);
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r] += q[r][d] * k;
         }
-        acc += add;
       }
-      acc = kIota + static_cast<float>(j0) < static_cast<float>(n) ? acc : kNegInf;
-      top = top > acc ? top : acc;
-      std::memcpy(p + j0, &acc, sizeof(acc));
+      for (int64_t r = 0; r < R; ++r) {
+        Lanes a = acc[r] * scale;
+        if (m[r] != nullptr) {
+          Lanes add = {};
+          for (int64_t l = 0; l < std::min(kLanes, n[r] - j0); ++l) {
+            add[l] = m[r][(j0 + l) * h.mask_col];
+          }
+          a += add;
+        }
+        a = kIota + static_cast<float>(j0) < static_cast<float>(n[r]) ? a : kNegInf;
+        top[r] = top[r] > a ? top[r] : a;
+        std::memcpy(p + r * Sp + j0, &a, sizeof(a));
+      }
     }
-    float max = top[0];
-    for (int64_t l = 1; l < kLanes; ++l) {
-      max = std::max(max, top[l]);
+    // Each row's softmax numerators (zero past its keys, up to the block's) and sum.
+    std::array<float, R> inv;
+    for (int64_t r = 0; r < rows; ++r) {
+      float max = top[r][0];
+      for (int64_t l = 1; l < kLanes; ++l) {
+        max = std::max(max, top[r][l]);
+      }
+      if (max == -std::numeric_limits<float>::infinity()) {
+        return false;
+      }
+      Lanes total = {};
+      for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
+        Lanes e = exp_nonpositive(load_lanes(p + r * Sp + j0) - max);
+        total += e;
+        std::memcpy(p + r * Sp + j0, &e, sizeof(e));
+      }
+      float sum = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        sum += total[l];
+      }
+      inv[r] = 1.0f / sum;
+      h.lse[(i0 + r) * h.lse_row] = max + std::log(sum);
     }
-    if (max == -std::numeric_limits<float>::infinity()) {
-      return false;
+    // The weighted sums of the values, R rows at a time (spare rows read row 0's weights).
+    std::array<const float*, R> w;
+    for (int64_t r = 0; r < R; ++r) {
+      w[r] = p + (r < rows ? r : 0) * Sp;
     }
-    Lanes total = {};
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      Lanes e = exp_nonpositive(load_lanes(p + j0) - max);
-      total += e;
-      std::memcpy(p + j0, &e, sizeof(e));
-    }
-    float sum = 0.0f;
-    for (int64_t l = 0; l < kLanes; ++l) {
-      sum += total[l];
-    }
-    const float inv = 1.0f / sum;
-    float* out = h.out + i * h.out_row;
     for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-      Lanes acc = {};
-      for (int64_t j = 0; j < n; ++j) {
-        acc += p[j] * load_lanes(vp + j * Dp + d0);
+      std::array<Lanes, R> acc{};
+      for (int64_t j = 0; j < keys; ++j) {
+        const Lanes v = load_lanes(vp + j * Dp + d0);
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r] += w[r][j] * v;
+        }
       }
-      acc *= inv;
-      std::memcpy(out + d0, &acc, sizeof(float) * std::min(kLanes, D - d0));
+      for (int64_t r = 0; r < rows; ++r) {
+        const Lanes o = acc[r] * inv[r];
+        std::memcpy(h.out + (i0 + r) * h.out_row + d0, &o, sizeof(float) * std::min(kLanes, D - d0));
+      }
     }
-    h.lse[i * h.lse_row] = max + std::log(sum);
   }
   return true;
+}
+
+// Picks the rows per step: kRows, or one at a time for fewer queries (a decoding step's one
+// query would otherwise compute kRows - 1 spare rows). Compiled for each vector width and picked
+// at load time.
+[[gnu::target_clones("avx512f", "avx2", "default")]] static bool run_head(
+    const Head& h,
+    int64_t L,
+    int64_t S,
+    int64_t D,
+    float scale,
+    bool causal,
+    float* kt,
+    float* vp,
+    float* p) {
+  return L >= kRows ? head_rows<kRows>(h, L, S, D, scale, causal, kt, vp, p)
+                    : head_rows<1>(h, L, S, D, scale, causal, kt, vp, p);
 }
 
 inline bool plain_f32(const at::Tensor& t) {
@@ -240,7 +290,8 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
     }
     const int64_t Sp = padded(S), Dp = padded(D);
     // Zeros; on the stack up to 16 KiB (every problem of the client models' sizes).
-    c10::SmallVector<float, 4096> scratch(static_cast<size_t>(D * Sp + S * Dp + Sp), 0.0f);
+    c10::SmallVector<float, 4096> scratch(
+        static_cast<size_t>(D * Sp + S * Dp + kRows * Sp), 0.0f);
     bool ok = true;
     for (int64_t b = 0; b < B && ok; ++b) {
       for (int64_t hq = 0; hq < H && ok; ++hq) {
