@@ -9,9 +9,12 @@ Compiled loop, one intra-op thread per stream (``torch.set_num_threads(1)``), ba
 
 "single" is the manual model compiled with ``streams="off"`` (its scopes removed), "manual" the
 same model with its ``fxrt.stream_scope`` blocks, "auto" the plain model with
-``streams="auto"``. Times are medians over rounds of the per-call time; ``--clock cpu`` measures
-process CPU time instead of wall time (all threads: what the hand-off costs in work, not
-latency).
+``streams="auto"``. Each is run two ways, in the same interleaved rounds: through
+``torch.compile`` (Dynamo's per-call work, frame evaluation, guards and gathering the parameters,
+runs before the graph on the caller's thread, the same in all three), and through
+``fxrt.export``/``fxrt.load`` (the runtime alone: what the streams change). Times are medians
+over rounds of the per-call time; ``--clock cpu`` measures process CPU time instead of wall time
+(all threads: what the hand-off costs in work, not latency).
 
 Usage: python benchmarks/streams.py [--rounds N] [--calls N] [--clock wall|cpu] [--json out]
 """
@@ -22,8 +25,10 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +45,12 @@ from fxrt.models import MoE, ParallelResidual, TwoStacks, workloads  # noqa: E40
 def compile_fxrt(model: nn.Module, **options) -> Callable:
     torch._dynamo.reset()
     return torch.compile(model, backend="fxrt", options={"cache": False, **options})
+
+
+def load_fxrt(model: nn.Module, inputs: tuple, tmp: Path, **options) -> Callable:
+    path = tmp / f"{len(list(tmp.iterdir()))}.fxrt"
+    fxrt.export(model, inputs, options=options).save(path)
+    return fxrt.load(path)
 
 
 def measure(
@@ -123,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         "(1.0: two free cores, 2.0: one)"
     )
     head = f"{'single':>9} {'manual':>9} {'auto':>9} {'man/single':>10} {'auto/single':>11}"
-    print(f"{'case':<40} {head}")
+    print(f"{'case':<40} {'through':<13} {head}")
+    tmp = Path(tempfile.mkdtemp(prefix="fxrt-streams-"))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export's pytree notice
     for name, (make, inputs) in cases().items():
         torch.manual_seed(0)
         manual = make(True).eval()
@@ -133,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             "single": compile_fxrt(manual, streams="off"),
             "manual": compile_fxrt(manual),
             "auto": compile_fxrt(plain, streams="auto"),
+            "single[load]": load_fxrt(manual, inputs, tmp, streams="off"),
+            "manual[load]": load_fxrt(manual, inputs, tmp),
+            "auto[load]": load_fxrt(plain, inputs, tmp, streams="auto"),
         }
         with torch.no_grad():
             want = plain(*inputs)
@@ -140,19 +156,25 @@ def main(argv: list[str] | None = None) -> int:
                 torch.testing.assert_close(fn(*inputs), want)
         row = measure(fns, inputs, args.rounds, args.calls, clock)
         results[name] = row
-        print(
-            f"{name:<40} {row['single']:>9.1f} {row['manual']:>9.1f} {row['auto']:>9.1f} "
-            f"{row['manual'] / row['single']:>10.2f} {row['auto'] / row['single']:>11.2f}"
-        )
-    print(f"\n{'workload':<40} {'default':>9} {'auto':>9} {'auto/default':>12}")
+        for through, tag in (("torch.compile", ""), ("fxrt.load", "[load]")):
+            single, man, auto = (row[k + tag] for k in ("single", "manual", "auto"))
+            print(
+                f"{name:<40} {through:<13} {single:>9.1f} {man:>9.1f} {auto:>9.1f} "
+                f"{man / single:>10.2f} {auto / single:>11.2f}"
+            )
+    print(f"\n{'workload':<40} {'through':<13} {'default':>9} {'auto':>9} {'auto/default':>12}")
     for name, (model, inputs) in workloads().items():
-        fns = {"default": compile_fxrt(model), "auto": compile_fxrt(model, streams="auto")}
+        fns = {
+            "default": compile_fxrt(model),
+            "auto": compile_fxrt(model, streams="auto"),
+            "default[load]": load_fxrt(model, inputs, tmp),
+            "auto[load]": load_fxrt(model, inputs, tmp, streams="auto"),
+        }
         row = measure(fns, inputs, args.rounds, args.calls, clock)
         results[name] = row
-        print(
-            f"{name:<40} {row['default']:>9.1f} {row['auto']:>9.1f} "
-            f"{row['auto'] / row['default']:>12.3f}"
-        )
+        for through, tag in (("torch.compile", ""), ("fxrt.load", "[load]")):
+            default, auto = row["default" + tag], row["auto" + tag]
+            print(f"{name:<40} {through:<13} {default:>9.1f} {auto:>9.1f} {auto / default:>12.3f}")
     results["machine_parallelism"] = {"two_threads_vs_one": par}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
