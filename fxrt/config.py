@@ -75,7 +75,8 @@ class CompilerConfig:
         verify: run the IR verifier after conversion and after every pass. Default from
             ``FXRT_VERIFY`` (on).
         opt_level: which built-in passes run: 0 none, 1 remove_noops +
-            eliminate_common_subexpressions + eliminate_dead_code, 2 also fold_constants first.
+            eliminate_common_subexpressions + eliminate_dead_code, 2 also fold_constants and
+            fuse_attention first.
             Default from ``FXRT_OPT_LEVEL`` (2).
         passes: an explicit, ordered list of built-in pass names; overrides ``opt_level``.
         fold_max_bytes: the largest result constant folding may create (16 MiB).

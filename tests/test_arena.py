@@ -241,6 +241,29 @@ def test_views_read_only_inside_the_graph_are_made_inline():
             assert (got[2]._base is None) == (want[2]._base is None)
 
 
+def test_split_pieces_read_only_inside_the_graph_are_made_inline():
+    def f(x, w):
+        q, k, v = (x @ w).split(3, -1)  # a projection split in three (an attention's qkv)
+        a, b = x.split(3)  # along dim 0: uneven pieces (3 and 1 rows)
+        c, d = (x * 2).split(3, 1)
+        c.mul_(3)  # a piece written: the split stays a real call
+        return q * k + v, a.sum(0) + b.sum(0), c, d.sum()
+
+    x, w = torch.randn(4, 6), torch.randn(6, 9)
+    cg = compile_fn(f, x, w)
+    listing = str(cg.program)
+    splits = [line for line in listing.splitlines() if "aten::split.Tensor" in line]
+    assert len(splits) == 3, listing
+    assert "(inline)" in splits[0] and "(inline)" in splits[1] and "(inline)" not in splits[2]
+    for loop in loops(cg.program):
+        for ctx in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+            for xs in (x, torch.randn(4, 6)):  # two calls, other values
+                with ctx():
+                    got = loop([xs.clone(), w.clone()])
+                    want = f(xs.clone(), w.clone())
+                torch.testing.assert_close(got, want)
+
+
 def test_dispatch_modes_see_the_graphs_own_ops():
     # No out= forms, inline views or inline allocations under a TorchDispatchMode.
     def f(x, w):

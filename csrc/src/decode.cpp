@@ -412,7 +412,7 @@ const Named kSymOps[] = {
     {"ne", 7},  {"lt", 8},  {"le", 9},   {"gt", 10},       {"ge", 11}, {"max", 12}, {"min", 13},
 };
 const Named kViews[] = {
-    {"view", 0}, {"t", 1}, {"transpose", 2}, {"permute", 3}, {"reinterpret", 4},
+    {"view", 0}, {"t", 1}, {"transpose", 2}, {"permute", 3}, {"reinterpret", 4}, {"split", 5},
 };
 
 }  // namespace

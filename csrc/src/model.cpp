@@ -245,12 +245,15 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
       }
       exec->add_alloc_op(std::move(alloc));
     } else if (kind == "VIEW") {
-      if (multi || call.args.empty() || call.args[0].kind != BoundArg::REG) {
+      if (call.args.empty() || call.args[0].kind != BoundArg::REG) {
         fail(at + ": the view's input is not a register");
       }
       ViewOp view{std::move(call)};
       view.kind = static_cast<ViewOp::Kind>(
           view_kind(string(member(ins, "view", at), at), at));
+      if (multi != (view.kind == ViewOp::Kind::SPLIT)) {
+        fail(at + ": only a split view has several outputs");
+      }
       view.always = boolean(member(ins, "always", at), at + ": always");
       view.self = view.call.args[0].reg;
       view.ints = ints(member(ins, "ints", at), at + ": ints", INT64_MIN / 4, INT64_MAX / 4);

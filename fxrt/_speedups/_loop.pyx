@@ -48,7 +48,7 @@ cdef extern from "py_executor.h":
         ) except +set_python_error
         string add_alloc(object plain, int64_t slot, cbool cpu) except +set_python_error
         string add_view(
-            object plain, int64_t kind, cbool always,
+            object plain, int64_t kind, cbool multi, cbool always,
             const vector[int64_t]& ints, const vector[int64_t]& strides, int64_t offset,
         ) except +set_python_error
         string add_sym(object fn, int64_t kind, object args, int64_t output) except +set_python_error
@@ -152,10 +152,13 @@ cdef class Executor:
         else the plain form."""
         return _why(self._impl().add_alloc(plain, slot, cpu))
 
-    def add_view(self, tuple plain, int64_t kind, cbool always, ints, strides, int64_t offset):
-        """VIEW of kind ``kind`` (0 view, 1 t, 2 transpose, 3 permute, 4 reinterpret), made
-        inline on every call (``always``) or on calls with an arena; else the plain form."""
-        return _why(self._impl().add_view(plain, kind, always, ints, strides, offset))
+    def add_view(
+        self, tuple plain, int64_t kind, cbool multi, cbool always, ints, strides, int64_t offset
+    ):
+        """VIEW of kind ``kind`` (0 view, 1 t, 2 transpose, 3 permute, 4 reinterpret, 5 split:
+        ``multi``, one output per piece), made inline on every call (``always``) or on calls with
+        an arena; else the plain form."""
+        return _why(self._impl().add_view(plain, kind, multi, always, ints, strides, offset))
 
     def add_sym(self, fn, int64_t kind, tuple args, int64_t output):
         """SYM step ``kind`` (0 add ... 13 min, loop.h's order) on registers and ints."""

@@ -160,12 +160,12 @@ struct AllocOp {
 
 // VIEW: a view made inline from the input register `self` (see inline_ops.h); `call` otherwise.
 struct ViewOp {
-  enum class Kind : uint8_t { VIEW, T, TRANSPOSE, PERMUTE, REINTERPRET };
+  enum class Kind : uint8_t { VIEW, T, TRANSPOSE, PERMUTE, REINTERPRET, SPLIT };
   CallOp call;
   Kind kind = Kind::VIEW;
   bool always = false;  // on every call; else only on calls with an arena
   int64_t self = -1;
-  std::vector<int64_t> ints, strides;  // sizes, dims; reinterpret's strides
+  std::vector<int64_t> ints, strides;  // sizes, dims, split's size and dim; reinterpret's strides
   int64_t offset = 0;  // reinterpret: added to the input's storage offset
 };
 

@@ -126,6 +126,34 @@ inline bool bind_cpu_empty(AllocOp& alloc) {
   return true;
 }
 
+// split.Tensor's pieces along a dimension, as its CPU kernel makes them (narrow: the input's
+// strides, the offset moved to each piece); false when the plain call must run it (a 0-d input, a
+// dimension out of range, another number of pieces than outputs).
+inline bool run_split(const ViewOp& view, const at::Tensor& self, std::vector<IValue>& regs) {
+  const int64_t ndim = self.dim();
+  if (view.ints.size() != 2 || ndim == 0) {
+    return false;
+  }
+  const int64_t size = view.ints[0], d = view.ints[1] < 0 ? view.ints[1] + ndim : view.ints[1];
+  if (size <= 0 || d < 0 || d >= ndim) {
+    return false;
+  }
+  const int64_t length = self.size(d);
+  const auto& outputs = view.call.outputs;
+  const int64_t pieces = length == 0 ? 1 : (length + size - 1) / size;
+  if (pieces != static_cast<int64_t>(outputs.size())) {
+    return false;
+  }
+  c10::DimVector sizes(self.sizes().begin(), self.sizes().end());
+  for (int64_t i = 0; i < pieces; ++i) {
+    const int64_t start = i * size;
+    sizes[static_cast<size_t>(d)] = std::min(size, length - start);
+    regs[static_cast<size_t>(outputs[static_cast<size_t>(i)])] =
+        raw_alias(self, sizes, self.strides(), self.storage_offset() + start * self.stride(d));
+  }
+  return true;
+}
+
 // A VIEW; false when the plain call must run it (not a plain tensor, a view the sizes cannot
 // express, a dimension out of range: it then raises the op's own error).
 inline bool run_view(const ViewOp& view, std::vector<IValue>& regs) {
@@ -156,6 +184,8 @@ inline bool run_view(const ViewOp& view, std::vector<IValue>& regs) {
   switch (view.kind) {
     case ViewOp::Kind::REINTERPRET:
       return false;
+    case ViewOp::Kind::SPLIT:
+      return run_split(view, self, regs);
     case ViewOp::Kind::VIEW: {
       at::DimVector shape = at::infer_size_dv(view.ints, self.numel());
       std::optional<at::DimVector> st = at::detail::computeStride(self.sizes(), self.strides(), shape);

@@ -112,26 +112,30 @@ class PyExecutor : public Executor {
   std::string add_view(
       PyObject* plain,
       int64_t kind,
+      bool multi,
       bool always,
       const std::vector<int64_t>& ints,
       const std::vector<int64_t>& strides,
       int64_t offset) {
     Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(p, false, why);
+    std::optional<CallOp> call = bind(p, multi, why);
     if (!call.has_value()) {
       return why;
     }
     if (call->args.empty() || call->args[0].kind != BoundArg::REG ||
-        kind > static_cast<int64_t>(ViewOp::Kind::REINTERPRET) || kind < 0) {
+        kind > static_cast<int64_t>(ViewOp::Kind::SPLIT) || kind < 0) {
       return "the view's input is not a register";
+    }
+    if (multi != (kind == static_cast<int64_t>(ViewOp::Kind::SPLIT))) {
+      return "only a split view has several outputs";
     }
     ViewOp view{std::move(*call), static_cast<ViewOp::Kind>(kind), always};
     view.self = view.call.args[0].reg;
     view.ints = ints;
     view.strides = strides;
     view.offset = offset;
-    add_form(p, false);
+    add_form(p, multi);
     add_view_op(std::move(view));
     return "";
   }

@@ -23,10 +23,11 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    :func:`verify_arena` checks the result with a sweep over node indices, not a test of every
    pair of slots, so compiling stays near-linear in the graph's length.
 4. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
-   ``transpose``, ``permute``) whose value never leaves the graph, is never written and is only
-   read by ops that return fresh results, or by such views, needs no view tracking: the compiled
-   loop makes it as the op's CPU kernel does (a new TensorImpl on the same storage, geometry
-   computed from the actual input) without the dispatcher and autograd's view layer.
+   ``transpose``, ``permute``, ``split``) whose values never leave the graph, are never written
+   and are only read by ops that return fresh results, or by such views, needs no view tracking:
+   the compiled loop makes it as the op's CPU kernel does (a new TensorImpl on the same
+   storage, geometry computed from the actual input) without the dispatcher and autograd's view
+   layer.
    :func:`fxrt.exec.views.inline_views` picks them.
 
 At run time a loop takes an arena (one storage and a tensor per slot, made by

@@ -133,7 +133,7 @@ else:
         pass
 
 
-_VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4}
+_VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4, "split": 5}
 _KERNEL_PARAMS = {POINTER: 0, INT: 1}  # c_kernel.h's KernelArg kinds
 _SYM_KINDS = {op: k for k, op in enumerate(dict.fromkeys(SYM_OPS.values()))}  # loop.h's order
 
@@ -267,7 +267,7 @@ class NativeLoop(_Executor):
         if isinstance(ins, View):
             kind = _VIEW_KINDS[ins.view]
             return self.add_view(
-                plain, kind, ins.always, list(ins.ints), list(ins.strides), ins.offset
+                plain, kind, ins.multi, ins.always, list(ins.ints), list(ins.strides), ins.offset
             )
         return self.add_call(plain, ins.multi)
 

@@ -116,8 +116,9 @@ class Alloc(Call):
 @dataclass(frozen=True, slots=True)
 class View(Call):
     """VIEW: ``view`` is ``view`` (``ints``: the sizes), ``permute`` (``ints``: the dims),
-    ``t``, ``transpose`` (``ints``: the two dims) or ``reinterpret`` (``ints``: sizes,
-    ``strides``, ``offset``: added to the input's). ``always``: on every call, else only on calls
+    ``t``, ``transpose`` (``ints``: the two dims), ``split`` (``ints``: the split size and the
+    dim; one output per piece) or ``reinterpret`` (``ints``: sizes, ``strides``, ``offset``:
+    added to the input's). ``always``: on every call, else only on calls
     with an arena."""
 
     KIND: ClassVar[str] = "VIEW"
@@ -409,9 +410,15 @@ def _view_form(
 ) -> tuple[str, tuple[int, ...], tuple[int, ...], int] | None:
     """``(view kind, ints, strides, offset)`` for a view op with constant arguments besides its
     input, or None."""
-    if multi or kwargs or not args or not isinstance(args[0], Ref):
+    if kwargs or not args or not isinstance(args[0], Ref):
         return None
     rest = args[1:]
+    if name == "aten::split.Tensor":
+        if multi and 1 <= len(rest) <= 2 and all(type(d) is int for d in rest) and rest[0] > 0:
+            return "split", (rest[0], rest[1] if len(rest) == 2 else 0), (), 0
+        return None
+    if multi:
+        return None
     if name in ("aten::view", "aten::_unsafe_view") and len(rest) == 1 and _is_ints(rest[0]):
         return "view", tuple(rest[0]), (), 0
     if name == "aten::permute" and len(rest) == 1 and _is_ints(rest[0]):

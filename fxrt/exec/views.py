@@ -1,11 +1,12 @@
 """Which views a loop may make inline, on calls that use the arena.
 
 On those calls autograd records nothing, so a view (``view``, ``_unsafe_view``, ``t``,
-``transpose``, ``permute``) whose value never leaves the graph, is never written and is only read
-by ops that return fresh results, or by such views, needs no view tracking: the compiled loop makes
-it as the op's CPU kernel does (a new TensorImpl on the same storage, geometry computed from the
-actual input) without the dispatcher and autograd's view layer. :func:`inline_views` picks them;
-:func:`fxrt.exec.program.lower` emits them as VIEW instructions.
+``transpose``, ``permute``, and ``split``'s pieces) whose values never leave the graph, are never
+written and are only read by ops that return fresh results, or by such views, needs no view
+tracking: the compiled loop makes it as the op's CPU kernel does (a new TensorImpl on the same
+storage, geometry computed from the actual input) without the dispatcher and autograd's view
+layer. :func:`inline_views` picks them; :func:`fxrt.exec.program.lower` emits them as VIEW
+instructions.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from ..ops.aliasing import is_collective, output_aliases
 
 # The views a loop may make inline on calls without autograd (see the module docstring).
 INLINE_VIEW_OPS = frozenset(
-    {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose.int", "aten::permute"}
+    {
+        "aten::view",
+        "aten::_unsafe_view",
+        "aten::t",
+        "aten::transpose.int",
+        "aten::permute",
+        "aten::split.Tensor",
+    }
 )
 
 
@@ -34,13 +42,18 @@ def inline_views(graph: Graph) -> frozenset[int]:
     chosen: set[int] = set()
     for i in range(len(graph.nodes) - 1, -1, -1):  # users first
         node = graph.nodes[i]
-        if node.op.name not in INLINE_VIEW_OPS or len(node.outputs) != 1:
+        if node.op.name not in INLINE_VIEW_OPS or node.multi != (
+            node.op.name == "aten::split.Tensor"
+        ):
             continue
-        vid = node.outputs[0]
-        meta = graph.values[vid].meta
-        if vid in outputs or meta is None or meta.device != "cpu":
+        metas = [graph.values[vid].meta for vid in node.outputs]
+        if outputs.intersection(node.outputs) or any(m is None or m.device != "cpu" for m in metas):
             continue
-        if all(u in chosen or _only_reads(graph, graph.nodes[u]) for u in users.get(vid, ())):
+        if all(
+            u in chosen or _only_reads(graph, graph.nodes[u])
+            for vid in node.outputs
+            for u in users.get(vid, ())
+        ):
             chosen.add(i)
     return frozenset(chosen)
 
