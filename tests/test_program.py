@@ -88,7 +88,7 @@ def test_views_of_inputs_and_outputs_are_never_freed():
     assert str(cg.program) == golden("""
         program(%x_1): 6 registers
           arena  64 bytes, 1 slots
-             0  CALL   (%split_0, %split_1) = aten::split.Tensor(%x_1, 2)
+             0  VIEW   (%split_0, %split_1) = aten::split.Tensor(%x_1, 2) (inline)
              1  OUT    %cat = aten::cat([%split_1, %split_0]) -> arena[0:64] via aten::cat.out
              2  CALL   %mul = aten::mul.Tensor(%cat, 2)
              3  FREE   %cat
