@@ -291,3 +291,29 @@ def test_caller_constants_are_only_for_cache_entries():
     doc, _ = unpack(cg.dump_artifacts())
     assert "caller" not in json.dumps(doc["constants"])
     assert doc["tensors"], "the constant's bytes are inline"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 4),
+        lambda: torch.randn(2, 3, 4).permute(2, 0, 1),  # dense, not contiguous
+        lambda: torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last),
+        lambda: torch.randn(4, 1).expand(4, 1).t(),  # a size-1 dim with any stride
+        lambda: torch.tensor(2.5),  # 0-d
+        lambda: torch.arange(6, dtype=torch.int64).view(2, 3),
+        lambda: torch.tensor([True, False, True]),
+        lambda: torch.empty(0, 3),
+    ],
+)
+def test_tensor_records_round_trip_exactly(make):
+    from fxrt.artifact import decode_tensor, encode_tensor
+
+    t = make()
+    r = encode_tensor(t)
+    back = decode_tensor(r, r.payload)
+    assert (back.shape, back.stride(), back.dtype) == (t.shape, t.stride(), t.dtype)
+    torch.testing.assert_close(back, t, rtol=0, atol=0)
+    original = t.clone()
+    back.zero_()  # its own, writable memory: the original is untouched
+    torch.testing.assert_close(t, original, rtol=0, atol=0)
