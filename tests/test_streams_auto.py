@@ -11,7 +11,7 @@ from conftest import recording_compiles, skip_unless_executor
 from torch import nn
 
 from fxrt.ir import graph_to_text
-from fxrt.models import MoE, OpChain, ParallelResidual
+from fxrt.models import MoE, OpChain, ParallelResidual, workloads
 
 
 def compile_auto(model: nn.Module, executor: str, **options):
@@ -60,3 +60,17 @@ def test_graph_without_branches_is_unchanged(executor):
             torch.testing.assert_close(fn(x), model(x))
         texts.append(graph_to_text(built[0].graph))
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("name", list(workloads()))
+def test_workloads_run_the_same_program_with_auto_streams(executor, name):
+    # What benchmarks/streams.py times for W1-W3: streams="auto" finds no branch worth a stream
+    # there, so the program (and its cost) is the default one, instruction for instruction.
+    model, inputs = workloads()[name]
+    listings = []
+    for streams in ("auto", "manual"):
+        fn = compile_auto(model, executor, streams=streams)
+        with torch.no_grad(), recording_compiles() as built:
+            torch.testing.assert_close(fn(*inputs), model(*inputs))
+        listings.append(str(built[0].program))
+    assert listings[0] == listings[1]
