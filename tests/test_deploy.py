@@ -752,13 +752,10 @@ print(json.dumps(out))
 """
 
 
-def test_load_in_fresh_process(w_packages, gpt2, tmp_path: Path) -> None:
-    model, (x,), path = w_packages["W3"]
-    with torch.no_grad():
-        torch.save((x, model(x)), tmp_path / "io.pt")
-    env = {**os.environ, "FXRT_CACHE_DIR": str(tmp_path / "cache")}
+def _child(code: str, args: list[Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process; the JSON object its last line prints."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), str(tmp_path / "io.pt"), str(gpt2[1])],
+        [sys.executable, "-c", code, *map(str, args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -766,7 +763,15 @@ def test_load_in_fresh_process(w_packages, gpt2, tmp_path: Path) -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_load_in_fresh_process(w_packages, gpt2, tmp_path: Path) -> None:
+    model, (x,), path = w_packages["W3"]
+    with torch.no_grad():
+        torch.save((x, model(x)), tmp_path / "io.pt")
+    env = {**os.environ, "FXRT_CACHE_DIR": str(tmp_path / "cache")}
+    got = _child(CHILD, [path, tmp_path / "io.pt", gpt2[1]], env)
     assert got["compiled"] == 0  # loading never compiles
     assert "CausalLMOutputWithCrossAttentions" in got["unregistered"]
     assert "not registered" in got["unregistered"]
@@ -813,16 +818,7 @@ def test_load_imports_only_the_runtime(w_packages, tmp_path: Path, executor: str
     env = {k: v for k, v in os.environ.items() if k != "FXRT_PURE_PYTHON"}
     if executor == "python":
         env["FXRT_PURE_PYTHON"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-c", LEAN_CHILD, str(path), str(tmp_path / "io.pt")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _child(LEAN_CHILD, [path, tmp_path / "io.pt"], env)
     assert got["executor"] == executor
     imported = [h for h in HEAVY if any(m == h or m.startswith(f"{h}.") for m in got["new"])]
     assert not imported, f"loading and calling a static package imported {', '.join(imported)}"
