@@ -39,6 +39,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(32, 96, dtype=dtype)
         self.return_weights = False
         self.merge_heads = True
+        self.return_heads = False
 
     def keep(self, x: torch.Tensor) -> torch.Tensor | None:
         s = x.shape[1]
@@ -68,6 +69,8 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1)
         out = probs @ v
         merged = out.transpose(1, 2).reshape(b, s, h) if self.merge_heads else out * 2
+        if self.return_heads:
+            return merged, out
         return (merged, probs) if self.return_weights else merged
 
 
@@ -184,6 +187,14 @@ def test_heads_read_otherwise_get_eager_layout(executor):
 def test_not_fused_without_own_ops(executor):
     # ATen's flash kernel alone is slower than the unfused ops at these sizes.
     _check(Attention("causal"), executor, fused=False, own_ops=False)
+
+
+def test_heads_also_returned_keep_eager_layout(executor):
+    # The per-head output is merged through transpose + copy and also returned as it is: the
+    # caller must get eager's contiguous layout, not the fused op's [B, L, H, D] one.
+    model = Attention("causal")
+    model.return_heads = True
+    _check(model, executor, fused=True)
 
 
 def test_decoder_block_equals_eager(executor):

@@ -274,11 +274,13 @@ def _rewrite(graph: Graph, m: _Match, index: int) -> None:
 
 def _relayout(graph: Graph, old: int, out: int, base: str, new: list[Node]) -> int:
     """The value that stands for ``old`` (contiguous) when the fused output ``out`` is laid out
-    otherwise: ``out`` itself when every reader is ``transpose(1, 2)`` whose readers copy it to a
-    contiguous tensor (their results are the same either way; the transposes' layouts are
-    updated, and the copies become no-ops), else a contiguous copy of ``out``."""
+    otherwise: ``out`` itself when the caller never receives ``old`` and every reader is
+    ``transpose(1, 2)`` whose readers copy it to a contiguous tensor (their results are the same
+    either way; the transposes' layouts are updated, and the copies become no-ops), else a
+    contiguous copy of ``out``."""
     readers = [n for n in graph.nodes if old in n.input_ids()]
     out_meta = graph.values[out].meta
+    returned = set(graph.output_ids())
 
     def merges_heads(n: Node) -> bool:
         if n.op.name != "aten::transpose.int" or sorted(d % 4 for d in n.args[1:3]) != [1, 2]:
@@ -292,7 +294,12 @@ def _relayout(graph: Graph, old: int, out: int, base: str, new: list[Node]) -> i
             for r in copies
         )
 
-    if readers and _contiguous(graph.values[old].meta) and all(map(merges_heads, readers)):
+    if (
+        readers
+        and old not in returned
+        and _contiguous(graph.values[old].meta)
+        and all(map(merges_heads, readers))
+    ):
         fake = torch.empty_strided(out_meta.shape, out_meta.stride, device="meta")
         for n in readers:
             t = graph.values[n.outputs[0]]
