@@ -86,6 +86,16 @@ def output_alias_roots(graph: Graph, root: tuple[int, ...]) -> set[int]:
     return {root[v] for v in refs_in(graph.output)}
 
 
+def unique_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``... the first not in ``taken``; added to it."""
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
 def replace_uses(graph: Graph, mapping: dict[int, int]) -> None:
     """Rewrite every read of ``old`` into a read of ``mapping[old]`` (nodes and output). Nodes
     that read none of them keep their very argument objects (see ``substitute_refs``)."""

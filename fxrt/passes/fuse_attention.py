@@ -42,12 +42,12 @@ import torch
 
 from ..ir.from_fx import tensor_meta
 from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind
-from .analysis import alias_roots, replace_uses, written_values
+from .analysis import alias_roots, replace_uses, unique_name, written_values
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape"})
 _FUSED = aten._scaled_dot_product_flash_attention_for_cpu.default
-FUSED_ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
+FUSED_ATTENTION = Op.of(_FUSED).name
 
 
 @dataclass
@@ -66,9 +66,16 @@ class _Match:
 class _Matcher:
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.producer = {v: n for n in graph.nodes for v in n.outputs}
-        self.uses = Counter(v for n in graph.nodes for v in n.input_ids())
-        self.uses.update(graph.output_ids())
+        self.producer: dict[int, Node] = {}
+        self.readers: dict[int, list[Node]] = {}
+        self.uses = Counter(graph.output_ids())  # reads, a node's repeated reads counted
+        for n in graph.nodes:
+            for v in n.outputs:
+                self.producer[v] = n
+            ins = n.input_ids()
+            self.uses.update(ins)
+            for v in set(ins):
+                self.readers.setdefault(v, []).append(n)
 
     def meta(self, vid: int) -> TensorMeta | None:
         return self.graph.values[vid].meta
@@ -86,7 +93,8 @@ class _Matcher:
         n = self.producer.get(ref.id) if isinstance(ref, Ref) else None
         if n is None or n.op.name != "aten::expand" or not isinstance(n.args[0], Ref):
             return ref
-        if self.meta(n.args[0].id).shape != self.meta(ref.id).shape:
+        src, dst = self.meta(n.args[0].id), self.meta(ref.id)
+        if src is None or dst is None or src.shape != dst.shape:
             return ref
         if chain is not None:
             if self.uses[ref.id] != 1:
@@ -164,8 +172,8 @@ class _Matcher:
     def _sole_reader(self, vid: int, names: frozenset[str]) -> Node | None:
         if self.uses[vid] != 1:
             return None
-        readers = [n for n in self.graph.nodes if vid in n.input_ids()]
-        return readers[0] if readers[0].op.name in names else None
+        reader = self.readers[vid][0]
+        return reader if reader.op.name in names else None
 
     def _keep_mask(self, masked: Node, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Where ``masked_fill(scores, m, -inf)`` keeps scores (a constant, every row keeping
@@ -192,26 +200,21 @@ def _usable(meta: TensorMeta | None) -> bool:
     )
 
 
+def _fake(meta: TensorMeta) -> torch.Tensor:
+    """A meta-device tensor of ``meta``'s geometry (static), for shape functions and layouts."""
+    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+
 def _cpu_meta(fake: torch.Tensor) -> TensorMeta:
     """The meta of the CPU tensor that ``fake`` (on the meta device) stands for."""
     return dataclasses.replace(tensor_meta(fake), device="cpu")
 
 
-def _contiguous(meta: TensorMeta) -> bool:
-    expected, stride = [], 1
-    for size in reversed(meta.shape):
-        expected.append(stride)
-        stride *= size
-    return all(s == 1 or a == b for s, a, b in zip(meta.shape, meta.stride, reversed(expected)))
-
-
 def fuse_attention(graph: Graph) -> Graph:
     if not any(n.op.name == "aten::_softmax" for n in graph.nodes):
         return graph  # most graphs: nothing to look at
-    fused = 0
     while (match := _find(graph)) is not None:
-        _rewrite(graph, match, fused)
-        fused += 1
+        _rewrite(graph, match)
     return graph
 
 
@@ -234,18 +237,15 @@ def _written_between(graph: Graph, m: _Match, root: tuple[int, ...]) -> bool:
     return any(root[w] in read for n in graph.nodes[first:last] for w in written_values(n))
 
 
-def _rewrite(graph: Graph, m: _Match, index: int) -> None:
-    names = {n.name for n in graph.nodes} | {v.name for v in graph.values}
-    base = f"attention_{index}"
-    while base in names:
-        base += "_"
+def _rewrite(graph: Graph, m: _Match) -> None:
+    taken = {n.name for n in graph.nodes} | {v.name for v in graph.values}
+    base = unique_name(taken, "attention")
     kwargs: dict[str, Any] = {"attn_mask": None, "scale": m.scale}
     if m.mask is not None:
         mask = graph.add_value(f"{base}_mask", ValueKind.TENSOR, tensor_meta(m.mask))
         graph.constants[mask] = m.mask
         kwargs["attn_mask"] = Ref(mask)
-    metas = [graph.values[v].meta for v in (m.q, m.k, m.v)]
-    fake = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta") for t in metas]
+    fake = [_fake(graph.values[v].meta) for v in (m.q, m.k, m.v)]
     mask_fake = None if m.mask is None else m.mask.to("meta")
     out_fake, lse_fake = _FUSED(*fake, 0.0, m.causal, attn_mask=mask_fake, scale=m.scale)
     out = graph.add_value(base, ValueKind.TENSOR, _cpu_meta(out_fake))
@@ -279,7 +279,6 @@ def _relayout(graph: Graph, old: int, out: int, base: str, new: list[Node]) -> i
     either way; the transposes' layouts are updated, and the copies become no-ops), else a
     contiguous copy of ``out``."""
     readers = [n for n in graph.nodes if old in n.input_ids()]
-    out_meta = graph.values[out].meta
     returned = set(graph.output_ids())
 
     def merges_heads(n: Node) -> bool:
@@ -287,20 +286,23 @@ def _relayout(graph: Graph, old: int, out: int, base: str, new: list[Node]) -> i
             return False
         t = n.outputs[0]
         copies = [r for r in graph.nodes if t in r.input_ids()]
-        return bool(copies) and all(
-            r.op.name == "aten::clone"
-            and r.kwargs.get("memory_format") == torch.contiguous_format
-            and t not in graph.output_ids()
-            for r in copies
+        return (
+            t not in returned
+            and bool(copies)
+            and all(
+                r.op.name == "aten::clone"
+                and r.kwargs.get("memory_format") == torch.contiguous_format
+                for r in copies
+            )
         )
 
     if (
         readers
         and old not in returned
-        and _contiguous(graph.values[old].meta)
+        and _fake(graph.values[old].meta).is_contiguous()
         and all(map(merges_heads, readers))
     ):
-        fake = torch.empty_strided(out_meta.shape, out_meta.stride, device="meta")
+        fake = _fake(graph.values[out].meta)
         for n in readers:
             t = graph.values[n.outputs[0]]
             meta = _cpu_meta(fake.transpose(*n.args[1:3]))

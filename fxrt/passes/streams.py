@@ -38,7 +38,7 @@ import torch
 
 from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind, refs_in
 from ..ops import streams as ops
-from .analysis import alias_roots, written_values
+from .analysis import alias_roots, unique_name, written_values
 
 log = logging.getLogger("fxrt.streams")
 
@@ -104,15 +104,6 @@ def node_streams(graph: Graph) -> Streams:
     return Streams(tuple(labels), tuple(of))
 
 
-def _unique_name(taken: set[str], base: str) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
-
-
 class _Builder:
     """Makes the stream-op nodes the verifier inserts."""
 
@@ -121,7 +112,7 @@ class _Builder:
         self.taken = {n.name for n in graph.nodes} | {v.name for v in graph.values}
 
     def node(self, base: str, target: Any, args: tuple, kind: ValueKind) -> Node:
-        name = _unique_name(self.taken, base)
+        name = unique_name(self.taken, base)
         meta = _TOKEN_META if kind is ValueKind.TENSOR else None
         vid = self.graph.add_value(name, kind, meta)
         return Node(name, Op.of(target), args, {}, [vid])
