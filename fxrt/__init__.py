@@ -39,6 +39,9 @@ _PUBLIC = {
     "load_kernel_library": ".ops.overrides",
     "register_kernel": ".ops.overrides",
     "unregister_kernel": ".ops.overrides",
+    "register_pattern": ".patterns",
+    "unregister_pattern": ".patterns",
+    "pattern_counts": ".patterns",
     "Profile": ".profiler",
     "profile": ".profiler",
     "runtime_info": ".runtime",
@@ -64,12 +67,15 @@ __all__ = [
     "get_fused_kernel_payload",
     "load_kernel_library",
     "register_kernel",
+    "register_pattern",
+    "pattern_counts",
     "register_fused_kernel",
     "register_fx_wrapper",
     "runtime_info",
     "stream_scope",
     "unregister_fx_wrapper",
     "unregister_kernel",
+    "unregister_pattern",
     "wait",
     "__version__",
 ]
@@ -116,5 +122,6 @@ if TYPE_CHECKING:
     )
     from .ops.overrides import load_kernel_library, register_kernel, unregister_kernel
     from .ops.streams import record, stream_scope, wait
+    from .patterns import pattern_counts, register_pattern, unregister_pattern
     from .profiler import Profile, profile
     from .runtime import runtime_info

@@ -40,6 +40,7 @@ from .ir.graph import OpKind
 from .ir.printer import graph_to_text
 from .ops.overrides import registry_fingerprint
 from .ops.own_ops import available as own_ops_available
+from .patterns import registry_fingerprint as pattern_fingerprint
 from .serialize import FORMAT, versions
 
 stats: Counter[str] = Counter()  # "hit", "miss", "stored", "rejected", "uncached", "compiled"
@@ -105,8 +106,14 @@ def cache_key(graph: Any, example_inputs: Sequence[Any], config: Any) -> str:
         kernels = registry_fingerprint()
     except Unkeyable as e:
         raise Unkeyable(f"a kernel override: {e}") from None
+    try:
+        patterns = pattern_fingerprint()
+    except Unkeyable as e:
+        raise Unkeyable(f"a fused pattern: {e}") from None
     own_ops = ",".join(sorted(own_ops_available()))
-    head = (FORMAT, MAGIC, sorted(versions().items()), config_text(config), kernels, own_ops)
+    head = (
+        FORMAT, MAGIC, sorted(versions().items()), config_text(config), kernels, own_ops, patterns
+    )  # fmt: skip
     for part in (*map(repr, head), text):
         h.update(part.encode() + b"\0")
     for node in graph.nodes:

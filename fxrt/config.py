@@ -65,6 +65,10 @@ def _own_ops_default() -> bool:
     return env_flag("FXRT_OWN_OPS", True)
 
 
+def _env_list(name: str) -> list[str]:
+    return [p.strip() for p in os.environ.get(name, "").split(",") if p.strip()]
+
+
 @dataclass
 class CompilerConfig:
     """Options of the fxrt compiler.
@@ -99,6 +103,10 @@ class CompilerConfig:
             the math (``aten::gelu`` on small float32 tensors; see :mod:`fxrt.ops.own_ops`).
             Default from ``FXRT_OWN_OPS`` (on). ``native_kernels`` and ``FXRT_NATIVE_KERNELS``
             are its deprecated old names.
+        disable_patterns: names of fused patterns (:mod:`fxrt.patterns`) not to apply, built-in
+            (``add_rms_norm``, ``rms_norm``, ``rotary``, ``gated_mlp``, ``gqa_attention``) or
+            registered. Default from ``FXRT_DISABLE_PATTERNS`` (comma-separated; none). All of
+            them: leave ``fuse_patterns`` out of ``passes``, or ``opt_level=1``.
         check_inputs: check every call's inputs against what the graph was compiled for (dtype,
             device, rank, static sizes and strides, size symbols bound consistently) and raise
             ``fxrt.InputError`` naming the input otherwise. Default from ``FXRT_CHECK_INPUTS``
@@ -154,6 +162,7 @@ class CompilerConfig:
     arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
     arena_max_idle: int = field(default_factory=lambda: env_int("FXRT_ARENA_MAX_IDLE", 2))
     own_ops: bool = field(default_factory=_own_ops_default)
+    disable_patterns: list[str] = field(default_factory=lambda: _env_list("FXRT_DISABLE_PATTERNS"))
     check_inputs: bool = field(default_factory=lambda: env_flag("FXRT_CHECK_INPUTS", True))
     cache: bool = field(default_factory=lambda: env_flag("FXRT_CACHE", True))
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_CACHE_DIR") or None)
@@ -211,6 +220,23 @@ class CompilerConfig:
                     f"fxrt: unknown pass(es) {unknown or self.passes!r}; "
                     f"valid passes: {', '.join(PASSES)}"
                 )
+
+        from .patterns import registered_patterns
+
+        if isinstance(self.disable_patterns, str) or not all(
+            isinstance(p, str) for p in self.disable_patterns
+        ):
+            raise ValueError(
+                "fxrt: option 'disable_patterns' must be a list of pattern names, got "
+                f"{self.disable_patterns!r}"
+            )
+        unknown = sorted(set(self.disable_patterns) - set(registered_patterns()))
+        if unknown:
+            raise ValueError(
+                f"fxrt: unknown pattern(s) {', '.join(map(repr, unknown))} in disable_patterns; "
+                f"registered patterns: {', '.join(registered_patterns())}"
+            )
+        self.disable_patterns = sorted(set(self.disable_patterns))
 
     @property
     def capture_enabled(self) -> bool:

@@ -76,6 +76,7 @@ from .passes import (
     PassRecord,
     fold_constants,
     fuse_attention,
+    fuse_patterns,
 )
 from .passes.assign_streams import assign_streams
 from .passes.fuse_attention import FUSED_ATTENTION
@@ -198,6 +199,8 @@ def _builtin_pass(name: str) -> Callable[[Compilation], None]:
             # than the unfused ops at the sizes it is for.
             if c.config.own_ops and FUSED_ATTENTION in own_ops_available():
                 c.graph = fuse_attention(c.graph)
+        elif fn is fuse_patterns:
+            c.graph = fuse_patterns(c.graph, c.config.disable_patterns, c.config.own_ops)
         else:
             c.graph = fn(c.graph)
 

@@ -26,6 +26,7 @@
 
 #include "inline_ops.h"
 #include "own_attention.h"
+#include "own_decoder.h"
 
 #include <ATen/TensorIterator.h>
 #include <ATen/native/Activation.h>

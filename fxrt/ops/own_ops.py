@@ -63,6 +63,17 @@ def available() -> dict[str, torch._ops.OpOverload]:
     return ops
 
 
+def available_op(name: str) -> torch._ops.OpOverload | None:
+    """fxrt's own op ``fxrt::<name>`` (its default overload) when the extension that registers
+    it is loaded in this process, else None; the fused patterns' CPU targets
+    (:mod:`fxrt.patterns`)."""
+    from ..exec.native import extension_status
+
+    if not extension_status().usable or not torch._C._dispatch_has_kernel(f"fxrt::{name}"):
+        return None
+    return getattr(torch.ops.fxrt, name).default
+
+
 def use_own_ops(graph: Graph) -> Graph:
     """Rewrite the nodes of ``graph`` that have an fxrt op (in place); return the graph."""
     ops = available()
@@ -90,4 +101,4 @@ def use_own_ops(graph: Graph) -> Graph:
     return graph
 
 
-__all__ = ["OWN_OPS", "available", "use_own_ops"]
+__all__ = ["OWN_OPS", "available", "available_op", "use_own_ops"]

@@ -24,6 +24,7 @@ from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_constants import DEFAULT_MAX_BYTES, fold_constants
 from .fuse_attention import fuse_attention
+from .fuse_patterns import fuse_patterns
 from .remove_noops import remove_noops
 
 # ``fold_constants`` takes two more arguments, from the config (see fxrt.pipeline).
@@ -33,16 +34,19 @@ PASSES: dict[str, Callable[..., Graph]] = {
     "eliminate_common_subexpressions": eliminate_common_subexpressions,
     "fold_constants": fold_constants,
     "fuse_attention": fuse_attention,
+    "fuse_patterns": fuse_patterns,
 }
 
-# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding
-# and attention fusion (after folding, which turns a mask made in forward into a constant).
+# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding,
+# attention fusion (after folding, which turns a mask made in forward into a constant) and the
+# fused patterns (fxrt.patterns; after attention fusion, whose K/V they may un-repeat).
 LEVELS: dict[int, tuple[str, ...]] = {
     0: (),
     1: ("remove_noops", "eliminate_common_subexpressions", "eliminate_dead_code"),
     2: (
         "fold_constants",
         "fuse_attention",
+        "fuse_patterns",
         "remove_noops",
         "eliminate_common_subexpressions",
         "eliminate_dead_code",
@@ -74,5 +78,6 @@ __all__ = [
     "eliminate_dead_code",
     "fold_constants",
     "fuse_attention",
+    "fuse_patterns",
     "remove_noops",
 ]

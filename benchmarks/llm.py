@@ -1,0 +1,271 @@
+"""Decoder LLMs: fxrt alone against Inductor and eager, forward and ``generate()``, with the fused
+patterns' match counts and what each pattern saves.
+
+Models: tiny random-weight ``transformers`` decoders built from configs (2 layers, hidden 64,
+4 query / 2 key-value heads, head size 16; nothing is downloaded): Llama, Qwen2, Mistral and
+Gemma, which the patterns were written against, and Qwen3, Phi-3, OLMo-2 and Granite, which they
+were not. One process, one intra-op thread (``torch.set_num_threads(1)``), ``torch.no_grad()``,
+static shapes:
+
+  eager       the model as it is
+  inductor    ``torch.compile`` with Inductor's defaults
+  fxrt        ``torch.compile(backend="fxrt")``, the compiled loop, every pattern on
+  fxrt-nopat  the same with ``disable_patterns`` = every pattern (the ATen ops the patterns
+              replace), forward only: the patterns' saving, per model and shape
+
+* forward: each (batch, tokens) shape of ``--shapes``; ``measure`` of ``fxrt.bench``
+  (interleaved rounds in a shuffled order; each figure the median over rounds of the mean µs per
+  call, ``--clock cpu``: the calling thread's CPU time);
+* generate: greedy ``generate()`` of ``--new-tokens`` tokens from a 16-token prompt, with the
+  dynamic KV cache and with the static one, ``model.forward`` replaced by the competitor's
+  compiled forward; rounds interleaved, the figure the median ms per new token;
+* compile: seconds of the first forward call (Dynamo + backend), cold caches;
+* patterns: how many fused calls of each pattern the forward graph holds
+  (``fxrt.pattern_counts``), and the µs per layer the patterns save (fxrt-nopat - fxrt, over the
+  layers).
+
+Outputs are checked against eager (logits within 1e-4; generated tokens equal) before timing.
+
+Usage: python benchmarks/llm.py [--models llama,qwen2] [--shapes 1x16,4x128] [--rounds N]
+                                [--gen-rounds N] [--new-tokens 16,64] [--no-generate]
+                                [--clock wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import fxrt
+from fxrt.bench import measure
+from fxrt.patterns import registered_patterns
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clients import fresh_method  # noqa: E402
+
+VOCAB = 128
+LAYERS = 2
+TUNED = ["llama", "qwen2", "mistral", "gemma"]
+UNTUNED = ["qwen3", "phi3", "olmo2", "granite"]
+
+
+def build(name: str) -> Any:
+    import transformers as hf
+
+    classes = {
+        "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+        "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": None}),
+        "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 16}),
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 16}),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
+        "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}),
+        "granite": ("GraniteForCausalLM", "GraniteConfig", {}),
+    }
+    model_cls, config_cls, extra = classes[name]
+    config = getattr(hf, config_cls)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(hf, model_cls)(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+def compiled(model: Any, who: str, dynamic: bool | None = False) -> Any:
+    """``model.forward`` compiled for ``who``, with a code object of its own (so Dynamo shares
+    nothing between competitors)."""
+    if who == "eager":
+        return model.forward
+    bound = fresh_method(model.forward, f"{who}_{next(_tags)}")
+    if who == "inductor":
+        return torch.compile(bound, dynamic=dynamic)
+    options: dict[str, Any] = {"cache": False}
+    if who == "fxrt-nopat":
+        options["disable_patterns"] = list(registered_patterns())
+    return torch.compile(bound, backend="fxrt", dynamic=dynamic, options=options)
+
+
+_tags = itertools.count()
+
+
+def ids(batch: int, tokens: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 1000 + tokens)
+    return torch.randint(0, VOCAB, (batch, tokens), generator=g)
+
+
+def forward(name: str, shapes: list[tuple[int, int]], rounds: int, clock: Any) -> list[dict]:
+    model = build(name)
+    rows = []
+    for batch, tokens in shapes:
+        x = ids(batch, tokens)
+        with torch.no_grad():
+            expected = model(x).logits
+        fns, compile_s = {}, {}
+        for who in ["eager", "inductor", "fxrt", "fxrt-nopat"]:
+            torch._dynamo.reset() if who == "eager" else None
+            f = compiled(model, who)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                got = f(x).logits
+            compile_s[who] = time.perf_counter() - t0
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            fns[who] = f
+        with recording() as built:
+            torch._dynamo.reset()
+            f = compiled(model, "fxrt")
+            with torch.no_grad():
+                f(x)
+        counts = fxrt.pattern_counts(built[-1]) if built else {}
+
+        def call(f: Any) -> Any:
+            def run(t: torch.Tensor) -> Any:
+                with torch.no_grad():
+                    return f(t)
+
+            return run
+
+        us = measure({k: call(f) for k, f in fns.items()}, (x,), rounds, clock=clock)
+        rows.append(
+            dict(model=name, shape=f"{batch}x{tokens}", us=us, compile=compile_s, counts=counts)
+        )
+        print(_row(rows[-1]), flush=True)
+    return rows
+
+
+class recording:
+    """The CompiledGraphs fxrt builds inside the block."""
+
+    def __enter__(self) -> list:
+        from fxrt import compiler
+
+        self.built: list = []
+        self.original = compiler.CompiledGraph.__init__
+        built, original = self.built, self.original
+
+        def init(cg: Any, *a: Any, **k: Any) -> None:
+            original(cg, *a, **k)
+            built.append(cg)
+
+        compiler.CompiledGraph.__init__ = init
+        return self.built
+
+    def __exit__(self, *exc: Any) -> None:
+        from fxrt import compiler
+
+        compiler.CompiledGraph.__init__ = self.original
+
+
+def _row(r: dict) -> str:
+    us = r["us"]
+    saved = (us["fxrt-nopat"] - us["fxrt"]) / LAYERS
+    counts = " ".join(f"{k}={v}" for k, v in sorted(r["counts"].items())) or "none"
+    return (
+        f"| {r['model']} | {r['shape']} | {us['eager']:.0f} | {us['inductor']:.0f} | "
+        f"{us['fxrt-nopat']:.0f} | {us['fxrt']:.0f} | {us['inductor'] / us['fxrt']:.2f}x | "
+        f"{saved:.1f} | {r['compile']['fxrt'] / r['compile']['inductor']:.2f} | {counts} |"
+    )
+
+
+def generate(name: str, new_tokens: int, rounds: int) -> list[dict]:
+    model = build(name)
+    prompt = ids(1, 16)
+    rows = []
+    for cache in ["dynamic", "static"]:
+        kw = {} if cache == "dynamic" else {"cache_implementation": "static"}
+        dyn = None if cache == "dynamic" else False
+
+        def run(fwd: Any, kw: dict = kw) -> torch.Tensor:
+            if fwd is not None:
+                model.forward = fwd
+            try:
+                with torch.no_grad():
+                    return model.generate(
+                        prompt, attention_mask=torch.ones_like(prompt),
+                        max_new_tokens=new_tokens, do_sample=False, **kw,
+                    )  # fmt: skip
+            finally:
+                if fwd is not None:
+                    del model.forward
+
+        expected = run(None)
+        fwds: dict[str, Any] = {"eager": None}
+        torch._dynamo.reset()
+        for who in ["inductor", "fxrt"]:
+            # the dynamic cache grows every step: torch.compile's default dynamic
+            fn = compiled(model, who, dynamic=dyn)
+            fwds[who] = fn
+            torch.testing.assert_close(run(fn), expected, rtol=0, atol=0)
+        samples: dict[str, list[float]] = {k: [] for k in fwds}
+        order = list(fwds)
+        for _ in range(rounds):
+            random.shuffle(order)
+            for who in order:
+                t0 = time.perf_counter()
+                run(fwds[who])
+                samples[who].append((time.perf_counter() - t0) * 1e3 / new_tokens)
+        ms = {k: statistics.median(v) for k, v in samples.items()}
+        rows.append(dict(model=name, cache=cache, new=new_tokens, ms=ms))
+        print(
+            f"| {name} | {cache} | {new_tokens} | {ms['eager']:.2f} | {ms['inductor']:.2f} | "
+            f"{ms['fxrt']:.2f} | {ms['fxrt'] / ms['inductor']:.2f} |",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(TUNED + UNTUNED))
+    parser.add_argument("--shapes", default="1x16,1x128,4x16,4x128")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--gen-rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", default="16,64")
+    parser.add_argument("--no-generate", action="store_true")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    models = args.models.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp  # cold: no kernel of an earlier run
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+        print(f"# forward, µs per call (median of {args.rounds} rounds, {args.clock} clock)")
+        print(
+            "| model | BxL | eager | inductor | fxrt no patterns | fxrt | "
+            "inductor/fxrt | saved µs/layer | compile fxrt/inductor | patterns |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        rows = [r for m in models for r in forward(m, shapes, args.rounds, clock)]
+        speedups = [r["us"]["inductor"] / r["us"]["fxrt"] for r in rows]
+        geo = statistics.geometric_mean(speedups)
+        print(f"\ngeomean speed vs inductor: {geo:.2f}x; lowest {min(speedups):.2f}x")
+        if not args.no_generate:
+            print(f"\n# generate(), ms per new token (median of {args.gen_rounds} rounds)")
+            print("| model | KV cache | new tokens | eager | inductor | fxrt | fxrt/inductor |")
+            print("|---|---|---|---|---|---|---|")
+            for m in models:
+                for n in (int(v) for v in args.new_tokens.split(",")):
+                    generate(m, n, args.gen_rounds)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Pattern fusion: chains of small ATen ops that compute a known piece of math become one call of
+the device's fused op (see :mod:`fxrt.patterns` for the patterns, their targets and how to add
+one).
+
+For each registered pattern not turned off, in registration order, the pass scans the graph once:
+
+1. each node whose op is one of the pattern's anchors goes to its matcher, which returns a
+   :class:`~fxrt.patterns.Match` or None; a match that shares a node with an earlier one is
+   dropped;
+2. the target is the pattern's entry for the device of the match's first result: none, a
+   library that is not there, an fxrt op while own ops are off, or a guard that says no, and the
+   ATen ops stay;
+3. the rewrite must be sound where it lands: the fused call goes where the match's last node
+   was, so every argument must be made before that point and every reader of a result after it,
+   and nothing in between may write an argument's storage;
+4. the fused node (named ``fused_<pattern>``) takes the replaced values' metadata (the target's
+   guard vouched for the layout); readers of a replaced value read the fused result; the
+   matched nodes that nothing else reads are removed.
+
+:func:`fxrt.pattern_counts` counts, in any graph (a fresh compile's, a cache entry's, a loaded
+package's), the fused nodes of each pattern by their names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..ir.graph import Graph, Node, Op, Ref, ValueKind, refs_in
+from ..patterns import (
+    PREFIX,
+    GraphIndex,
+    Match,
+    Pattern,
+    Target,
+    registered_patterns,
+    target_device,
+)
+from .analysis import alias_roots, replace_uses, unique_name, written_values
+
+
+def fuse_patterns(graph: Graph, disabled: Iterable[str] = (), own_ops: bool = True) -> Graph:
+    """Apply every registered pattern not in ``disabled`` to ``graph`` (in place); return it.
+    ``own_ops`` false: no target that is an ``fxrt::`` op."""
+    off = set(disabled)
+    for pattern in registered_patterns().values():
+        if pattern.name in off:
+            continue
+        if not any(n.op.name in pattern.anchors for n in graph.nodes):
+            continue
+        _apply(graph, pattern, own_ops)
+    return graph
+
+
+def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
+    index = GraphIndex(graph)
+    root: tuple[int, ...] | None = None
+    chosen: list[tuple[Match, list[Match], Op]] = []
+    for node in list(graph.nodes):
+        if node.op.name not in pattern.anchors or id(node) in index.claimed:
+            continue
+        match = pattern.match(node, index)
+        if match is None or any(id(n) in index.claimed for n in match.nodes):
+            continue
+        found = _target(pattern, match, index, own_ops)
+        if found is None:
+            continue
+        calls, op = found
+        root = root if root is not None else alias_roots(graph)
+        if not all(_sound(graph, index, c, root) for c in calls):
+            continue
+        index.claimed.update(id(n) for n in match.nodes)
+        chosen.append((match, calls, op))
+    if chosen:
+        _rewrite(graph, index, pattern, chosen)
+
+
+def _target(
+    pattern: Pattern, match: Match, index: GraphIndex, own_ops: bool
+) -> tuple[list[Match], Op] | None:
+    first = next((r for r in match.results if r is not None), None)
+    meta = graph_meta(index, first)
+    if meta is None:
+        return None
+    target: Target | None = pattern.targets.get(target_device(meta.device.split(":")[0]))
+    if target is None:
+        return None
+    op = target.resolve()
+    if op is None or (not own_ops and op.name().startswith("fxrt::")):
+        return None
+    if target.guard is not None and not target.guard(match, index):
+        return None
+    calls = [match]
+    if target.adapt is not None:
+        adapted = target.adapt(match, index)
+        if not adapted:
+            return None
+        calls = adapted if isinstance(adapted, list) else [adapted]
+    return calls, Op.of(op)
+
+
+def graph_meta(index: GraphIndex, vid: int | None):
+    return None if vid is None else index.graph.values[vid].meta
+
+
+def _sound(graph: Graph, index: GraphIndex, m: Match, root: tuple[int, ...]) -> bool:
+    positions = [index.position[id(n)] for n in m.nodes]
+    first, last = min(positions), max(positions)
+    inside = {id(n) for n in m.nodes}
+    args = refs_in((m.args, m.kwargs))
+    for v in args:
+        p = index.producer.get(v)
+        if p is not None and (id(p) in inside or index.position[id(p)] >= last):
+            return False  # an argument made by the chain itself, or after the call's place
+    for r in m.results:
+        if r is None:
+            continue
+        for reader in index.readers.get(r, ()):
+            if id(reader) not in inside and index.position[id(reader)] <= last:
+                return False
+    read = {root[v] for v in args}
+    return not any(root[w] in read for n in graph.nodes[first:last] for w in written_values(n))
+
+
+def _rewrite(
+    graph: Graph,
+    index: GraphIndex,
+    pattern: Pattern,
+    chosen: list[tuple[Match, list[Match], Op]],
+) -> None:
+    taken = {n.name for n in graph.nodes} | {v.name for v in graph.values}
+    at_last: dict[int, list[Node]] = {}  # id(last matched node) -> the fused calls placed there
+    removed: set[int] = set()
+    mapping: dict[int, int] = {}
+    multi = None
+    for match, calls, op in chosen:
+        multi = len(op.target._schema.returns) > 1
+        last = max(match.nodes, key=lambda n: index.position[id(n)])
+        for m in calls:
+            name = unique_name(taken, PREFIX + pattern.name)
+            outputs = []
+            for i, r in enumerate(m.results):
+                meta = graph.values[r].meta if r is not None else _spare_meta(graph, m, i)
+                value_name = unique_name(taken, f"{name}_{i}") if multi else name
+                vid = graph.add_value(value_name, ValueKind.TENSOR, meta)
+                outputs.append(vid)
+                if r is not None:
+                    mapping[r] = vid
+            fused = Node(name, op, m.args, m.kwargs, outputs, multi, last.stack_trace)
+            at_last.setdefault(id(last), []).append(fused)
+        inside = {id(n) for n in match.nodes}
+        replaced = set(mapping)
+        for n in match.nodes:
+            if all(
+                v in replaced
+                or (
+                    v not in index.returned
+                    and all(id(x) in inside for x in index.readers.get(v, ()))
+                )
+                for v in n.outputs
+            ):
+                removed.add(id(n))
+    nodes = []
+    for n in graph.nodes:
+        if id(n) not in removed:
+            nodes.append(n)
+        nodes.extend(at_last.get(id(n), ()))
+    graph.nodes = nodes
+    # Readers of a replaced value, fused calls of a later match included, read the fused result.
+    replace_uses(graph, mapping)
+
+
+def _spare_meta(graph: Graph, m: Match, i: int):
+    """Metadata of a result nothing reads: that of the argument it is computed from (the fused
+    op's results have their inputs' geometry), or of the first result."""
+    arg = m.args[i] if i < len(m.args) and isinstance(m.args[i], Ref) else None
+    source = arg.id if arg is not None else m.results[0]
+    return graph.values[source].meta
+
+
+__all__ = ["fuse_patterns"]
