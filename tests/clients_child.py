@@ -92,6 +92,7 @@ CLIENTS: dict[str, Client] = {
     "mistral": Client(
         _causal_lm(hf.MistralForCausalLM, hf.MistralConfig, sliding_window=None), True, "logits"
     ),
+    "gemma": Client(_causal_lm(hf.GemmaForCausalLM, hf.GemmaConfig, head_dim=16), True, "logits"),
     "bert": Client(_bert, False, "last_hidden_state"),
     "t5_encoder": Client(_t5_encoder, False, "last_hidden_state"),
     "opt": Client(_opt, True, "logits"),
@@ -160,7 +161,12 @@ def main() -> None:
             torch._dynamo.reset()
             check(name, args.new_tokens)
     executors = sorted({cg.executor for cg in built})
-    print(json.dumps({**fxrt.cache.stats, "executors": executors, "graphs": len(built)}))
+    patterns = [fxrt.pattern_counts(cg) for cg in built]  # per graph, in the order they came
+    print(
+        json.dumps(
+            {**fxrt.cache.stats, "executors": executors, "graphs": len(built), "patterns": patterns}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -153,6 +153,33 @@ def test_generate(
     assert_ran_on(built, executor)
 
 
+# --- fused patterns on real decoders ------------------------------------------------------------
+
+# Fused calls in the forward of a 2-layer decoder: the first norm, then each layer's two residual
+# adds with the norm after them (the last one the final norm), one rotary call (q and k) and one
+# gated MLP per layer. A change in transformers or in the matchers that stops a match fails here.
+DECODER_PATTERNS = {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 2}
+PATTERN_MODELS = ["llama", "qwen2", "mistral", "gemma"]
+
+
+@pytest.mark.skipif(not native_available(), reason="the fused ops are fxrt's own (the extension)")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", PATTERN_MODELS)
+def test_decoder_patterns(name: str, dynamic: bool, executor: str, tmp_path: Path) -> None:
+    if dynamic and not FULL and name != "llama":
+        pytest.skip("dynamic shapes on Llama only in the quick set (FXRT_CLIENTS=full: all)")
+    skip_unless_executor(executor)
+    model = build(name)
+    options = fxrt_options(executor, tmp_path)
+    shapes = [(2, 5), (2, 9), (2, 13)] if dynamic else SHAPES  # (batch 1 would specialize)
+    with recording_compiles() as built:
+        compiled = torch.compile(model, backend="fxrt", dynamic=dynamic, options=options)
+        check_forward(model, compiled, name, shapes)
+    assert_ran_on(built, executor)
+    assert len(built) == (1 if dynamic else len(shapes))  # dynamic: one compile for all lengths
+    assert [fxrt.pattern_counts(cg) for cg in built] == [DECODER_PATTERNS] * len(built)
+
+
 # --- warm runs: a second process loads what the first one stored ------------------------------
 
 
@@ -183,6 +210,9 @@ def test_warm_cache(executor: str, tmp_path: Path) -> None:
     assert warm.get("hit", 0) > 0, warm
     assert warm.get("compiled", 0) == 0, warm  # static shapes only: every graph was stored
     assert warm["executors"] == [executor]
+    # the loaded graphs hold the fused calls the compiled ones did (Llama's forward among them)
+    assert warm["patterns"] == cold["patterns"]
+    assert DECODER_PATTERNS in cold["patterns"], cold["patterns"]
 
 
 # --- fxrt as Inductor's host-wrapper executor --------------------------------------------------
