@@ -70,27 +70,43 @@ def _adapt_rotary(match: Match, _index: Any) -> list[Match] | None:
 
 def _adapt_gated(match: Match, index: Any) -> Match | None:
     gate, up, activation = match.args
-    if activation != "silu":
+    if activation != "silu" or not isinstance(gate, Ref) or not isinstance(up, Ref):
         return None
+    base = _halves(index, gate, up)
+    return None if base is None else Match((base, -1), {}, match.results, match.nodes)
+
+
+def _halves(index: Any, gate: Ref, up: Ref) -> Ref | None:
+    """The tensor whose last dimension's two halves ``gate`` and ``up`` are (``chunk(2, -1)``,
+    which traces to ``split``, or two slices), else None."""
+    n = index.meta(gate).shape[-1]
+    split = index.producer.get(gate.id)
+    if (
+        split is not None
+        and split.op.name in ("aten::split.Tensor", "aten::split_with_sizes")
+        and split.outputs == [gate.id, up.id]
+    ):
+        base, sizes = split.args[0], split.args[1]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        meta = index.meta(base)
+        if meta is None or dim not in (-1, len(meta.shape) - 1) or meta.shape[-1] != 2 * n:
+            return None
+        return base if sizes in (n, [n, n], (n, n)) else None
     halves = [index.made_by(t, "aten::slice.Tensor") for t in (gate, up)]
     if None in halves or halves[0].args[0] != halves[1].args[0]:
         return None
     base = halves[0].args[0]
     meta = index.meta(base)
-    n = index.meta(gate).shape[-1]
-    expect = [(0, n), (n, 2 * n)]
-    for h, (lo, hi) in zip(halves, expect):
+    if meta is None or meta.shape[-1] != 2 * n:
+        return None
+    for h, (lo, hi) in zip(halves, [(0, n), (n, 2 * n)]):
         dim, start, end = (list(h.args[1:4]) + [None] * 3)[:3]
         end = meta.shape[-1] if end is None or end >= meta.shape[-1] else end
-        if (
-            dim not in (-1, len(meta.shape) - 1)
-            or (start, end) != (lo, hi)
-            or h.args[4:] not in ((), (1,))
-        ):
+        if dim not in (-1, len(meta.shape) - 1) or (start, end) != (lo, hi):
             return None
-    if meta.shape[-1] != 2 * n or not isinstance(base, Ref):
-        return None
-    return Match((base, -1), {}, match.results, match.nodes)
+        if h.args[4:] not in ((), (1,)):
+            return None
+    return base
 
 
 rms_norm = Target(_npu_op("npu_rms_norm"), adapt=_adapt_rms_norm)

@@ -99,12 +99,15 @@ _patterns: dict[str, Pattern] = {}
 _families: dict[str, str] = {}
 
 
-def use_targets_of(device_type: str, family: str) -> None:
+def use_targets_of(device_type: str, family: str | None) -> None:
     """Let tensors on ``device_type`` take the targets patterns name for ``family`` (e.g. a
     PrivateUse1 backend that registers ``torch_npu``'s op names: ``use_targets_of("mydev",
-    "npu")``)."""
+    "npu")``); ``family=None`` undoes it."""
     with _lock:
-        _families[device_type] = family
+        if family is None:
+            _families.pop(device_type, None)
+        else:
+            _families[device_type] = family
 
 
 def target_device(device_type: str) -> str:
