@@ -166,6 +166,29 @@ def test_remove_noops():
     """)
 
 
+def test_remove_noops_arithmetic_identities():
+    """x * 1 and x / 1 are x bit for bit (rotary embeddings' attention_scaling of 1.0); x + 0 is
+    not for floats (-0.0 + 0 is +0.0), so it stays, except on integers (a position offset)."""
+
+    def f(x, i):
+        a = x * 1.0
+        b = torch.ops.aten.div.Tensor(a, 1)
+        c = b + 0  # float: stays
+        j = i + 0  # int: removed
+        k = i * 1.0  # to float: another dtype, stays
+        return torch.sin(b), c, j * 3, k
+
+    g = eliminate_dead_code(remove_noops(ir_of(f, torch.randn(2, 3), torch.arange(3))))
+    assert graph_to_text(g) == golden("""
+        graph(%x_1: float32[2, 3], %i_1: int64[3]):
+          %add: float32[2, 3] = aten::add.Tensor(%x_1, 0)
+          %mul_1: float32[3] = aten::mul.Tensor(%i_1, 1.0)
+          %sin: float32[2, 3] = aten::sin(%x_1)
+          %mul_2: int64[3] = aten::mul.Tensor(%i_1, 3)
+          return (%sin, %add, %mul_2, %mul_1)
+    """)
+
+
 def test_clone_that_is_written_later_is_kept():
     def f(x):
         y = x.clone()

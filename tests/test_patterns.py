@@ -409,3 +409,18 @@ def test_builtins_are_registered_in_order():
 @needs_ops
 def test_own_ops_off_keeps_the_aten_ops(executor):
     assert compile_twice(RMSNorm(), x_input(2, 7, 32), executor, own_ops=False) == {}
+
+
+class ZeroDim(nn.Module):
+    """Products and sums with 0-d tensors on either side: the anchors' operands have no last
+    dimension (a matcher must not index one)."""
+
+    def forward(self, x):
+        s = torch.tensor(2.0)
+        y = s * x + 1
+        z = x.sum() * torch.rsqrt(x.pow(2).mean() + 1e-6)
+        return y * s, z + s, torch.sigmoid(s) * s
+
+
+def test_zero_dim_operands_are_not_a_pattern(executor):
+    assert compile_twice(ZeroDim(), x_input(5), executor) == {}

@@ -58,7 +58,13 @@ def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
     for node in list(graph.nodes):
         if node.op.name not in pattern.anchors or id(node) in index.claimed:
             continue
-        match = pattern.match(node, index)
+        try:
+            match = pattern.match(node, index)
+        except Exception as e:
+            raise RuntimeError(
+                f"pattern {pattern.name!r} failed matching node {node.name!r} ({node.op.name}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if match is None or any(id(n) in index.claimed for n in match.nodes):
             continue
         found = _target(pattern, match, index, own_ops)

@@ -2,7 +2,11 @@
 
 * views to the same shape and strides (``view``, ``reshape``, ``_unsafe_view``, ``alias``,
   ``expand`` to its own shape, ``contiguous`` of a contiguous tensor);
-* copies that change nothing (``clone``, ``_to_copy`` to the same dtype, device and strides).
+* copies that change nothing (``clone``, ``_to_copy`` to the same dtype, device and strides);
+* arithmetic identities whose result is the input bit for bit, same dtype and layout: ``x * 1``
+  and ``x / 1``, and ``x + 0`` / ``x - 0`` on integers and bools (on floats ``-0.0 + 0`` is
+  ``+0.0``, so those stay): a rotary embedding's ``attention_scaling`` of 1.0, a position offset
+  of 0.
 
 Only where no node ever writes the input's or the result's storage (so no reader can tell the two
 apart, in-place metadata changes included), and the result is not (a view of) a graph output: the
@@ -25,6 +29,22 @@ VIEW_NOOPS = frozenset(
     }
 )
 COPY_NOOPS = frozenset({"aten::clone", "aten::_to_copy"})
+_ONE = ("aten::mul.Tensor", "aten::div.Tensor")
+_ZERO = ("aten::add.Tensor", "aten::sub.Tensor")
+
+
+def _identity(node, graph: Graph) -> bool:
+    """``node`` is ``x * 1``, ``x / 1``, or ``x +- 0`` on an integer tensor."""
+    name = node.op.name
+    if name not in _ONE and name not in _ZERO or len(node.args) != 2 or node.kwargs:
+        return False
+    other = node.args[1]
+    if isinstance(other, bool) or not isinstance(other, (int, float)):
+        return False
+    if name in _ONE:
+        return other == 1
+    meta = graph.values[node.outputs[0]].meta
+    return other == 0 and meta is not None and not meta.dtype.is_floating_point
 
 
 def remove_noops(graph: Graph) -> Graph:
@@ -34,7 +54,8 @@ def remove_noops(graph: Graph) -> Graph:
     for node in graph.nodes:
         name = node.op.name
         src = node.args[0] if node.args else None
-        if (name in VIEW_NOOPS or name in COPY_NOOPS) and hasattr(src, "id") and not node.multi:
+        candidate = name in VIEW_NOOPS or name in COPY_NOOPS or _identity(node, graph)
+        if candidate and hasattr(src, "id") and not node.multi:
             inp, out = mapping.get(src.id, src.id), node.outputs[0]
             a, b = graph.values[inp].meta, graph.values[out].meta
             same = (

@@ -144,7 +144,9 @@ def _weighted(index: GraphIndex, anchor: Node) -> tuple[Any, Any, float, list[No
     for y, w in index.operands(anchor):
         wm = index.meta(w)
         ym = index.meta(y)
-        if wm is None or ym is None or len(wm.shape) != 1 or wm.shape[0] != ym.shape[-1]:
+        if wm is None or ym is None or len(wm.shape) != 1 or not ym.shape:
+            continue
+        if wm.shape[0] != ym.shape[-1]:
             continue
         plus = index.only_for(w, _ADD)
         offset = _plus_number(index, plus) if plus is not None else None
@@ -251,7 +253,7 @@ def _rotated(index: GraphIndex, rot: Any, x: Any) -> tuple[int, bool, list[Node]
     """``rot`` is rotate_half(x) or the interleaved rotation of x: (features, interleaved,
     nodes)."""
     xm = index.meta(x)
-    if xm is None or not isinstance(xm.shape[-1], int):
+    if xm is None or not xm.shape or not isinstance(xm.shape[-1], int):
         return None
     d = xm.shape[-1]
     cat = index.only_for(rot, "aten::cat")

@@ -79,6 +79,8 @@ def _adapt_gated(match: Match, index: Any) -> Match | None:
 def _halves(index: Any, gate: Ref, up: Ref) -> Ref | None:
     """The tensor whose last dimension's two halves ``gate`` and ``up`` are (``chunk(2, -1)``,
     which traces to ``split``, or two slices), else None."""
+    if not index.meta(gate).shape:
+        return None
     n = index.meta(gate).shape[-1]
     split = index.producer.get(gate.id)
     if (
