@@ -22,7 +22,10 @@ static shapes:
 * compile: seconds of the first forward call (Dynamo + backend), cold caches;
 * patterns: how many fused calls of each pattern the forward graph holds
   (``fxrt.pattern_counts``), and the µs per layer the patterns save (fxrt-nopat - fxrt, over the
-  layers).
+  layers); on the ``--ablate`` shapes also each pattern's own saving (fxrt with that pattern
+  off, ``fxrt-no:<pattern>``, minus fxrt);
+* memory: the most bytes a steady call holds allocated at once (torch.profiler's allocator
+  events), for fxrt plus the arena it keeps between calls; the weights are not counted.
 
 Outputs are checked against eager (logits within 1e-4; generated tokens equal) before timing.
 
@@ -48,7 +51,7 @@ import torch
 
 import fxrt
 from fxrt.bench import measure
-from fxrt.patterns import registered_patterns
+from fxrt.patterns import BUILTIN, registered_patterns
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clients import fresh_method  # noqa: E402
@@ -97,6 +100,8 @@ def compiled(model: Any, who: str, dynamic: bool | None = False) -> Any:
     options: dict[str, Any] = {"cache": False}
     if who == "fxrt-nopat":
         options["disable_patterns"] = list(registered_patterns())
+    elif who.startswith("fxrt-no:"):
+        options["disable_patterns"] = [who.removeprefix("fxrt-no:")]
     return torch.compile(bound, backend="fxrt", dynamic=dynamic, options=options)
 
 
@@ -108,7 +113,9 @@ def ids(batch: int, tokens: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, tokens), generator=g)
 
 
-def forward(name: str, shapes: list[tuple[int, int]], rounds: int, clock: Any) -> list[dict]:
+def forward(
+    name: str, shapes: list[tuple[int, int]], rounds: int, clock: Any, ablate: set[str]
+) -> list[dict]:
     model = build(name)
     rows = []
     for batch, tokens in shapes:
@@ -116,7 +123,10 @@ def forward(name: str, shapes: list[tuple[int, int]], rounds: int, clock: Any) -
         with torch.no_grad():
             expected = model(x).logits
         fns, compile_s = {}, {}
-        for who in ["eager", "inductor", "fxrt", "fxrt-nopat"]:
+        who_list = ["eager", "inductor", "fxrt", "fxrt-nopat"]
+        if f"{batch}x{tokens}" in ablate:
+            who_list += [f"fxrt-no:{p}" for p in BUILTIN]
+        for who in who_list:
             torch._dynamo.reset() if who == "eager" else None
             f = compiled(model, who)
             t0 = time.perf_counter()
@@ -140,11 +150,38 @@ def forward(name: str, shapes: list[tuple[int, int]], rounds: int, clock: Any) -
             return run
 
         us = measure({k: call(f) for k, f in fns.items()}, (x,), rounds, clock=clock)
+        memory = {who: peak_bytes(fns[who], x) for who in ("eager", "inductor", "fxrt")}
+        memory["fxrt"] += arena_bytes(built[-1]) if built else 0
         rows.append(
-            dict(model=name, shape=f"{batch}x{tokens}", us=us, compile=compile_s, counts=counts)
-        )
+            dict(model=name, shape=f"{batch}x{tokens}", us=us, compile=compile_s, counts=counts,
+                 memory=memory)
+        )  # fmt: skip
         print(_row(rows[-1]), flush=True)
     return rows
+
+
+def peak_bytes(f: Any, x: torch.Tensor) -> int:
+    """The most bytes a call holds allocated at once (the CPU allocator's events, recorded by
+    torch.profiler; the result included, the model's weights not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        f(x)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            f(x)
+    live = peak = 0
+    for e in sorted(
+        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
+    ):
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def arena_bytes(cg: Any) -> int:
+    """The arena fxrt allocates once and keeps between calls (outside a call's allocations)."""
+    arena = getattr(cg.program, "arena", None)
+    return arena.nbytes if arena is not None else 0
 
 
 class recording:
@@ -174,10 +211,18 @@ def _row(r: dict) -> str:
     us = r["us"]
     saved = (us["fxrt-nopat"] - us["fxrt"]) / LAYERS
     counts = " ".join(f"{k}={v}" for k, v in sorted(r["counts"].items())) or "none"
+    each = [
+        f"{p} {(us[f'fxrt-no:{p}'] - us['fxrt']) / LAYERS:+.1f}"
+        for p in BUILTIN
+        if f"fxrt-no:{p}" in us and p in r["counts"]
+    ]
+    mem = r["memory"]
     return (
         f"| {r['model']} | {r['shape']} | {us['eager']:.0f} | {us['inductor']:.0f} | "
         f"{us['fxrt-nopat']:.0f} | {us['fxrt']:.0f} | {us['inductor'] / us['fxrt']:.2f}x | "
-        f"{saved:.1f} | {r['compile']['fxrt'] / r['compile']['inductor']:.2f} | {counts} |"
+        f"{saved:.1f}{' (' + ', '.join(each) + ')' if each else ''} | "
+        f"{r['compile']['fxrt']:.1f} / {r['compile']['inductor']:.1f} | "
+        f"{mem['fxrt'] / 1024:.0f} / {mem['eager'] / 1024:.0f} | {counts} |"
     )
 
 
@@ -236,6 +281,9 @@ def main() -> None:
     parser.add_argument("--gen-rounds", type=int, default=3)
     parser.add_argument("--new-tokens", default="16,64")
     parser.add_argument("--no-generate", action="store_true")
+    parser.add_argument(
+        "--ablate", default="1x16", help="shapes (BxL,...) timed with each pattern off in turn"
+    )
     parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -249,14 +297,25 @@ def main() -> None:
         torch._functorch.config.enable_autograd_cache = False
         print(f"# forward, µs per call (median of {args.rounds} rounds, {args.clock} clock)")
         print(
-            "| model | BxL | eager | inductor | fxrt no patterns | fxrt | "
-            "inductor/fxrt | saved µs/layer | compile fxrt/inductor | patterns |"
+            "| model | BxL | eager | inductor | fxrt no patterns | fxrt | inductor/fxrt | "
+            "saved µs/layer (per pattern) | compile s fxrt / inductor | peak KiB fxrt / eager | "
+            "patterns |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        rows = [r for m in models for r in forward(m, shapes, args.rounds, clock)]
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        ablate = set(args.ablate.split(",")) if args.ablate else set()
+        rows = [r for m in models for r in forward(m, shapes, args.rounds, clock, ablate)]
         speedups = [r["us"]["inductor"] / r["us"]["fxrt"] for r in rows]
         geo = statistics.geometric_mean(speedups)
         print(f"\ngeomean speed vs inductor: {geo:.2f}x; lowest {min(speedups):.2f}x")
+        for group, names in (("tuned on", TUNED), ("not tuned on", UNTUNED)):
+            part = [r["us"]["inductor"] / r["us"]["fxrt"] for r in rows if r["model"] in names]
+            if part:
+                print(f"  {group}: geomean {statistics.geometric_mean(part):.2f}x, "
+                      f"lowest {min(part):.2f}x")  # fmt: skip
+        ratio = max(r["compile"]["fxrt"] / r["compile"]["inductor"] for r in rows)
+        mem = max(r["memory"]["fxrt"] / max(r["memory"]["eager"], 1) for r in rows)
+        print(f"compile time fxrt/inductor: at most {ratio:.2f}; peak bytes fxrt/eager: at most "
+              f"{mem:.2f}")  # fmt: skip
         if not args.no_generate:
             print(f"\n# generate(), ms per new token (median of {args.gen_rounds} rounds)")
             print("| model | KV cache | new tokens | eager | inductor | fxrt | fxrt/inductor |")

@@ -691,3 +691,38 @@ def test_cpu_stub_probe_links_only_with_torchs_macros(runner: Any) -> None:
     cache = (cpp_runner.build_dir() / "CMakeCache.txt").read_text()
     want = ";".join([*(f"{d}=1" for d in chosen), "FXRT_CPU_STUBS=1"])
     assert f"FXRT_CPU_STUBS_DEFINITIONS:INTERNAL={want}\n" in cache
+
+
+@pytest.mark.skipif(not native_available(), reason="the fused ops are fxrt's own (the extension)")
+def test_fused_decoder_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """A decoder's fused patterns travel in the package: its manifest names the fused ops, and
+    fxrt.load (both loops) and the C++ runtime run them with eager's answers, over a dynamic
+    sequence length."""
+    from clients_child import build
+
+    model = build("llama")
+    ids = _ids(2, 8)
+    seq = Dim("seq", min=2, max=32)
+    kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False}
+    dyn = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
+    path = store / "llama.fxrt"
+    fxrt.export(model, (ids,), kwargs, dynamic_shapes=dyn).save(path)
+    loaded = fxrt.load(path)
+    assert {"fxrt::rms_norm", "fxrt::add_rms_norm", "fxrt::rotary", "fxrt::gated"} <= set(
+        loaded.manifest["ops"]
+    )
+    # with an attention mask, transformers repeats the K/V heads: gqa_attention reads them once
+    assert fxrt.pattern_counts(loaded) == {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2,
+                                           "gated_mlp": 2, "gqa_attention": 2}  # fmt: skip
+    for seq_len in (8, 13):
+        ids = _ids(2, seq_len)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            eager = model(ids, attention_mask=mask, use_cache=False).logits
+            outs = [
+                _loaded(path, p)(ids, attention_mask=mask, use_cache=False).logits
+                for p in (False, True)
+            ]
+        (cpp,) = _run_cpp(runner, path, [ids, mask], tmp_path)
+        for out in (cpp, *outs):
+            torch.testing.assert_close(out, eager)

@@ -424,3 +424,40 @@ class ZeroDim(nn.Module):
 
 def test_zero_dim_operands_are_not_a_pattern(executor):
     assert compile_twice(ZeroDim(), x_input(5), executor) == {}
+
+
+class Block(nn.Module):
+    """A small decoder block: norm, rotary q/k, attention, residual norm, gated MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(), RMSNorm()
+        self.rope = Rope()
+        self.out = nn.Linear(32, 32)
+        self.mlp = GatedMLP()
+
+    def forward(self, x, cos, sin):
+        a = self.rope(self.norm1(x), cos, sin)  # [B, 4, L, 8]
+        h = x + self.out(a.transpose(1, 2).reshape(x.shape))
+        return h + self.mlp(self.norm2(h))
+
+
+def _block_inputs(seed):
+    return (torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(seed)),
+            *_cos_sin(6, 8, seed))  # fmt: skip
+
+
+BLOCK = {"rms_norm": 1, "add_rms_norm": 1, "rotary": 1, "gated_mlp": 1}
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"streams": "auto"}, {"mode": "reduce-overhead"}, {"capture": True, "arena": False}],
+    ids=["default", "streams_auto", "reduce_overhead", "capture_no_arena"],
+)
+def test_fused_block_on_every_path(options, executor):
+    mode = options.pop("mode", None)
+    if mode is not None:
+        options["capture"] = True  # what reduce-overhead turns on (the CPU runs the loop)
+    assert compile_twice(Block(), _block_inputs, executor, **options) == BLOCK
