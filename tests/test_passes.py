@@ -117,6 +117,26 @@ def test_fold_constants_folds_what_depends_on_no_input():
     torch.testing.assert_close(masks[0], ~torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+def test_cse_merges_constants_of_equal_content(executor):
+    """Each layer's mask building makes its own scalar literals: equal content is one value, so
+    the two where()s merge; a constant that is written keeps its own."""
+
+    def f(x, m):
+        a = torch.where(m, torch.tensor(0.0), torch.tensor(float("-inf")))
+        b = torch.where(m, torch.tensor(0.0), torch.tensor(float("-inf")))
+        c = torch.tensor(0.0)
+        c.add_(1)
+        return x + a, x * b, x - c
+
+    x, m = torch.randn(3), torch.tensor([True, False, True])
+    g = fold_constants(ir_of(f, x, m), foldable=frozenset())
+    g = verify(eliminate_dead_code(eliminate_common_subexpressions(g)))
+    ops = [n.op.name for n in g.nodes]
+    assert ops.count("aten::where.self") == 1, ops
+    assert "aten::add_.Tensor" in ops
+    check_against_eager(f, (x, m), executor)
+
+
 def test_folded_causal_mask_through_torch_compile(executor):
     skip_unless_executor(executor)
     torch._dynamo.reset()

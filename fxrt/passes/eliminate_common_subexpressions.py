@@ -6,11 +6,17 @@ only when no node ever writes the storage of their inputs or outputs: after a wr
 expressions no longer hold equal values (and merging two fresh results would make a later
 in-place op on one visible through the other). A node whose result the caller receives is never
 dropped: two outputs of the graph must not become one tensor.
+
+Constants count by content: two small tensor constants with the same dtype, geometry and bytes
+(the ``scalar_tensor`` literals each layer's mask building makes) are one value, so the nodes
+that read them merge too; never a constant that is written or returned.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from ..ir.graph import Graph, substitute_refs
 from .analysis import (
@@ -37,12 +43,38 @@ def _key(x: Any) -> Any:
     return (type(x).__name__, x)
 
 
+_SMALL = 4096  # bytes: constants compared by content up to this size
+
+
+def _equal_constants(
+    graph: Graph, root: tuple[int, ...], mutated: set[int], returned: set[int]
+) -> dict[int, int]:
+    """Constant -> an earlier constant of the same content (see the module docstring)."""
+    first: dict[Any, int] = {}
+    mapping: dict[int, int] = {}
+    for vid, c in graph.constants.items():
+        if not isinstance(c, torch.Tensor) or type(c) is not torch.Tensor or c.is_quantized:
+            continue
+        if c.layout != torch.strided or c.device.type != "cpu" or c.requires_grad:
+            continue
+        if c.untyped_storage().nbytes() > _SMALL or root[vid] in mutated or root[vid] in returned:
+            continue
+        if c.is_conj() or c.is_neg() or c.storage_offset() != 0:
+            continue
+        key = (c.dtype, tuple(c.shape), c.stride(), bytes(c.untyped_storage()))
+        if key in first:
+            mapping[vid] = first[key]
+        else:
+            first[key] = vid
+    return mapping
+
+
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
     root = alias_roots(graph)  # once per pass: it walks the whole graph
     mutated = mutated_alias_roots(graph, root)
     returned = output_alias_roots(graph, root)
     seen: dict[Any, list[int]] = {}
-    mapping: dict[int, int] = {}
+    mapping: dict[int, int] = _equal_constants(graph, root, mutated, returned)
     kept = []
     for node in graph.nodes:
         ins = node.input_ids()

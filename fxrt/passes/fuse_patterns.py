@@ -11,8 +11,9 @@ For each registered pattern not turned off, in registration order, the pass scan
    library that is not there, an fxrt op while own ops are off, or a guard that says no, and the
    ATen ops stay;
 3. the rewrite must be sound where it lands: the fused call goes where the match's last node
-   was, so every argument must be made before that point and every reader of a result after it,
-   and nothing in between may write an argument's storage;
+   was (or after the node the match names, ``Match.at``), so every argument must be made before
+   that point and every reader of a result after it, and nothing in between may write an
+   argument's storage;
 4. the fused node (named ``fused_<pattern>``) takes the replaced values' metadata (the target's
    guard vouched for the layout); readers of a replaced value read the fused result; the
    matched nodes that nothing else reads are removed.
@@ -54,7 +55,8 @@ def fuse_patterns(graph: Graph, disabled: Iterable[str] = (), own_ops: bool = Tr
 def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
     index = GraphIndex(graph)
     root: tuple[int, ...] | None = None
-    chosen: list[tuple[Match, list[Match], Op]] = []
+    chosen: list[tuple[Match, list[Match], Op, list[int]]] = []
+    placed: dict[int, int] = {}  # value a chosen match replaces -> its fused call's place
     for node in list(graph.nodes):
         if node.op.name not in pattern.anchors or id(node) in index.claimed:
             continue
@@ -72,10 +74,13 @@ def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
             continue
         calls, op = found
         root = root if root is not None else alias_roots(graph)
-        if not all(_sound(graph, index, c, root) for c in calls):
+        at = [_place(graph, index, c, root, placed) for c in calls]
+        if None in at:
             continue
         index.claimed.update(id(n) for n in match.nodes)
-        chosen.append((match, calls, op))
+        for c, pos in zip(calls, at):
+            placed.update((r, pos) for r in c.results if r is not None)
+        chosen.append((match, calls, op, at))
     if chosen:
         _rewrite(graph, index, pattern, chosen)
 
@@ -108,40 +113,50 @@ def graph_meta(index: GraphIndex, vid: int | None):
     return None if vid is None else index.graph.values[vid].meta
 
 
-def _sound(graph: Graph, index: GraphIndex, m: Match, root: tuple[int, ...]) -> bool:
+def _place(
+    graph: Graph, index: GraphIndex, m: Match, root: tuple[int, ...], placed: dict[int, int]
+) -> int | None:
+    """Where the fused call of ``m`` goes (the index of the node it follows), or None when no
+    place is sound: after every argument is made (``placed``: values earlier matches replace, at
+    their calls' places), before every outside reader of a result, and with nothing between the
+    chain and that place writing an argument."""
     positions = [index.position[id(n)] for n in m.nodes]
     first, last = min(positions), max(positions)
+    at = index.position[id(m.at)] if m.at is not None else last
     inside = {id(n) for n in m.nodes}
     args = refs_in((m.args, m.kwargs))
     for v in args:
         p = index.producer.get(v)
-        if p is not None and (id(p) in inside or index.position[id(p)] >= last):
-            return False  # an argument made by the chain itself, or after the call's place
+        if p is None:
+            continue
+        if id(p) in inside or placed.get(v, index.position[id(p)]) >= at:
+            return None  # an argument made by the chain itself, or after the call's place
     for r in m.results:
         if r is None:
             continue
         for reader in index.readers.get(r, ()):
-            if id(reader) not in inside and index.position[id(reader)] <= last:
-                return False
+            if id(reader) not in inside and index.position[id(reader)] <= at:
+                return None
     read = {root[v] for v in args}
-    return not any(root[w] in read for n in graph.nodes[first:last] for w in written_values(n))
+    lo, hi = min(first, at), max(last, at)
+    if any(root[w] in read for n in graph.nodes[lo:hi] for w in written_values(n)):
+        return None
+    return at
 
 
 def _rewrite(
     graph: Graph,
     index: GraphIndex,
     pattern: Pattern,
-    chosen: list[tuple[Match, list[Match], Op]],
+    chosen: list[tuple[Match, list[Match], Op, list[int]]],
 ) -> None:
     taken = {n.name for n in graph.nodes} | {v.name for v in graph.values}
-    at_last: dict[int, list[Node]] = {}  # id(last matched node) -> the fused calls placed there
+    after: dict[int, list[Node]] = {}  # node index -> the fused calls placed after it
     removed: set[int] = set()
     mapping: dict[int, int] = {}
-    multi = None
-    for match, calls, op in chosen:
+    for match, calls, op, places in chosen:
         multi = len(op.target._schema.returns) > 1
-        last = max(match.nodes, key=lambda n: index.position[id(n)])
-        for m in calls:
+        for m, at in zip(calls, places):
             name = unique_name(taken, PREFIX + pattern.name)
             outputs = []
             for i, r in enumerate(m.results):
@@ -151,8 +166,10 @@ def _rewrite(
                 outputs.append(vid)
                 if r is not None:
                     mapping[r] = vid
-            fused = Node(name, op, m.args, m.kwargs, outputs, multi, last.stack_trace)
-            at_last.setdefault(id(last), []).append(fused)
+            trace = graph.nodes[at].stack_trace if m.at is not None else None
+            trace = trace or max(m.nodes, key=lambda n: index.position[id(n)]).stack_trace
+            fused = Node(name, op, m.args, m.kwargs, outputs, multi, trace)
+            after.setdefault(at, []).append(fused)
         inside = {id(n) for n in match.nodes}
         replaced = set(mapping)
         for n in match.nodes:
@@ -166,10 +183,10 @@ def _rewrite(
             ):
                 removed.add(id(n))
     nodes = []
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
         if id(n) not in removed:
             nodes.append(n)
-        nodes.extend(at_last.get(id(n), ()))
+        nodes.extend(after.get(i, ()))
     graph.nodes = nodes
     # Readers of a replaced value, fused calls of a later match included, read the fused result.
     replace_uses(graph, mapping)

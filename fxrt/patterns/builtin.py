@@ -353,7 +353,12 @@ def match_rotary(node: Node, index: GraphIndex) -> Match | None:
         args = (first["x"], first["x"], first["cos"], first["sin"], features, first["inter"])
         return Match(args, {}, [first["out"], None], first["nodes"])
     args = (first["x"], second["x"], first["cos"], first["sin"], features, first["inter"])
-    return Match(args, {}, [first["out"], second["out"]], first["nodes"] + second["nodes"])
+    # After q's chain when k is ready by then (a reader of q's result may come before k's chain
+    # ends, as Phi-3's cat does); the pass checks the place either way.
+    k_made = index.producer.get(second["x"].id) if isinstance(second["x"], Ref) else None
+    at = first["nodes"][0] if k_made is None or index.before(k_made, first["nodes"][0]) else None
+    nodes = first["nodes"] + second["nodes"]
+    return Match(args, {}, [first["out"], second["out"]], nodes, at=at)
 
 
 def _rotary_guard(match: Match, index: GraphIndex) -> bool:

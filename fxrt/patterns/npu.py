@@ -64,7 +64,7 @@ def _adapt_rotary(match: Match, _index: Any) -> list[Match] | None:
     calls = []
     for x, r in zip((q, k), match.results):
         if r is not None:
-            calls.append(Match((x, cos, sin, mode), {}, [r], match.nodes))
+            calls.append(Match((x, cos, sin, mode), {}, [r], match.nodes, at=match.at))
     return calls
 
 

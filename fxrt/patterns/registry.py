@@ -44,6 +44,9 @@ class Match:
         nodes: the nodes the call replaces. Those whose results nothing outside the match reads
             are removed; the fused call is placed where the last of them was.
         info: anything the matcher wants its targets' guards to see (the activation's name...).
+        at: the node after which the call goes, when not the last of ``nodes`` (q's and k's
+            rotary chains in one call go after q's, when a reader of q's result comes before
+            k's chain ends).
     """
 
     args: tuple[Any, ...]
@@ -51,6 +54,7 @@ class Match:
     results: list[int | None]
     nodes: list[Node]
     info: dict[str, Any] = field(default_factory=dict)
+    at: Node | None = None
 
 
 @dataclass(frozen=True)
