@@ -184,11 +184,12 @@ def peak_bytes(f: Any, x: torch.Tensor) -> int:
         f(x)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             f(x)
+    # Every allocation and free, in order (the raw events: the parsed ones fold the allocations
+    # made inside an op into that op).
+    events = prof.profiler.kineto_results.events()
     live = peak = 0
-    for e in sorted(
-        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
-    ):
-        live += e.cpu_memory_usage
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
         peak = max(peak, live)
     return peak
 

@@ -190,7 +190,7 @@ class Rope(nn.Module):
         rot = rotate_pairs if self.interleaved else rotate_half
         outs = []
         for t in (q, k):
-            if self.partial:
+            if self.partial is not None:
                 r, p = t[..., : self.partial], t[..., self.partial :]
                 outs.append(torch.cat([r * cos + rot(r) * sin, p], -1))
             else:
@@ -284,10 +284,12 @@ def test_residual_adds_fuse_with_their_norms(executor):
 
 
 @needs_ops
-@pytest.mark.parametrize("form", ["half", "interleaved", "partial"])
+@pytest.mark.parametrize("form", ["half", "interleaved", "partial", "partial_all"])
 def test_rotary_q_and_k_in_one_call(form, executor):
-    model = Rope(interleaved=form == "interleaved", partial=4 if form == "partial" else None)
-    d = 4 if form == "partial" else 8
+    """partial_all: Phi-3's partial rotary code with every feature rotated (an empty rest)."""
+    partial = {"partial": 4, "partial_all": 8}.get(form)
+    model = Rope(interleaved=form == "interleaved", partial=partial)
+    d = partial or 8
 
     def inputs(seed):
         return (torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(seed)),

@@ -17,10 +17,12 @@
 //
 // fxrt::rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim=-1,
 //              bool interleaved=False) -> (Tensor, Tensor)
-//   x * cos + rotate(x) * sin for x = q and x = k in one call, over the first rotary_dim features
-//   (all when -1; the rest pass through, as partial rotary embeddings cat them back). rotate is
-//   rotate_half (cat(-x2, x1)), or with interleaved the pairs' (-x[2i+1], x[2i]). Every product
-//   and sum is eager's, in eager's order: results are eager's, bit for bit.
+//   x * cos + rotate(x) * sin for x = q and x = k in one call. rotary_dim -1: every feature, the
+//   result laid out as eager's elementwise ops lay it out; rotary_dim r: the first r features,
+//   the rest passed through (none when r is all of them), as partial rotary embeddings cat them
+//   back: cat's contiguous layout. rotate is rotate_half (cat(-x2, x1)), or with interleaved the
+//   pairs' (-x[2i+1], x[2i]). Every product and sum is eager's, in eager's order: results are
+//   eager's, bit for bit.
 //
 // fxrt::gated(Tensor gate, Tensor up, str activation='silu') -> Tensor, and its out= overload.
 //   act(gate) * up, act = silu or gelu(approximate='tanh'), the gated MLP's product. The
@@ -258,16 +260,20 @@ inline bool fast_rotary(
       broadcasts_to(sin, x, rot);
 }
 
-// Eager's layout: with every feature rotated, the elementwise ops' (TensorIterator's): x's when it
-// is dense, else the dense layout that keeps its order of dimensions, as empty_like makes it;
-// with features passed through, cat's: contiguous.
+// Eager's layout: the elementwise ops' (TensorIterator's): x's when it is dense, else the dense
+// layout that keeps its order of dimensions, as empty_like makes it; after cat: contiguous.
 inline at::Tensor rope_out(const at::Tensor& x, bool partial) {
   return partial ? contiguous_like(x) : at::empty_like(x);
 }
 
 inline at::Tensor run_rotary(
-    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rot, bool inter) {
-  at::Tensor out = rope_out(x, rot < x.size(-1));
+    const at::Tensor& x,
+    const at::Tensor& cos,
+    const at::Tensor& sin,
+    int64_t rot,
+    bool inter,
+    bool cat_layout) {
+  at::Tensor out = rope_out(x, cat_layout);
   RopeRows p{
       x.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
       out.mutable_data_ptr<float>(), {1, 1, 1}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0},
@@ -289,7 +295,12 @@ inline at::Tensor run_rotary(
 
 // eager's chain: x_rot * cos + rotate(x_rot) * sin, then cat with the features not rotated.
 inline at::Tensor rotary_reference(
-    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rot, bool inter) {
+    const at::Tensor& x,
+    const at::Tensor& cos,
+    const at::Tensor& sin,
+    int64_t rot,
+    bool inter,
+    bool cat_layout) {
   const int64_t d = x.size(-1);
   const at::Tensor xr = rot == d ? x : x.slice(-1, 0, rot);
   at::Tensor rotated;
@@ -300,7 +311,7 @@ inline at::Tensor rotary_reference(
     rotated = at::cat({at::neg(xr.slice(-1, rot / 2, rot)), xr.slice(-1, 0, rot / 2)}, -1);
   }
   at::Tensor y = at::add(at::mul(xr, cos), at::mul(rotated, sin));
-  return rot == d ? y : at::cat({y, x.slice(-1, rot, d)}, -1);
+  return cat_layout ? at::cat({y, x.slice(-1, rot, d)}, -1) : y;
 }
 
 // --- gated --------------------------------------------------------------------------------------
@@ -454,12 +465,15 @@ inline std::tuple<at::Tensor, at::Tensor> rotary(
   TORCH_CHECK(
       rot <= q.size(-1) && rot <= k.size(-1) && rot % 2 == 0, "fxrt::rotary: rotary_dim ", rot,
       " must be even and at most the features of q (", q.size(-1), ") and k (", k.size(-1), ")");
+  const bool cat_layout = rotary_dim >= 0;
   if (fast_rotary(q, cos, sin, rot) && fast_rotary(k, cos, sin, rot)) {
-    return {run_rotary(q, cos, sin, rot, interleaved), run_rotary(k, cos, sin, rot, interleaved)};
+    return {
+        run_rotary(q, cos, sin, rot, interleaved, cat_layout),
+        run_rotary(k, cos, sin, rot, interleaved, cat_layout)};
   }
   return {
-      rotary_reference(q, cos, sin, rot, interleaved),
-      rotary_reference(k, cos, sin, rot, interleaved)};
+      rotary_reference(q, cos, sin, rot, interleaved, cat_layout),
+      rotary_reference(k, cos, sin, rot, interleaved, cat_layout)};
 }
 
 inline at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {

@@ -299,11 +299,12 @@ def _rope_one(index: GraphIndex, node: Node) -> dict[str, Any] | None:
     x, cos, sin, features, inter, nodes = chain
     out = node.outputs[0]
     src = x
-    base = index.made_by(x, _SLICE)
+    base = index.made_by(x, _SLICE, "aten::alias")
     xm = index.meta(x)
     readers = index.readers.get(out, [])
     if base is not None and len(readers) == 1 and readers[0].op.name == "aten::cat":
-        # partial: cat(rope(x[..., :r]), x[..., r:])
+        # partial: cat(rope(x[..., :r]), x[..., r:]), x[..., r:] empty when r is every feature
+        # (Phi-3's partial_rotary_factor=1; x[..., :r] is then an alias)
         cat = readers[0]
         whole = base.args[0]
         wm = index.meta(whole)
@@ -316,7 +317,7 @@ def _rope_one(index: GraphIndex, node: Node) -> dict[str, Any] | None:
             and index.uses[out] == 1
             and out not in index.returned
             and dim in (-1, len(wm.shape) - 1)
-            and _is_slice(base, whole, 0, xm.shape[-1], 1, wm)
+            and (base.op.name == "aten::alias" or _is_slice(base, whole, 0, xm.shape[-1], 1, wm))
             and _is_slice(rest, whole, xm.shape[-1], wm.shape[-1], 1, wm)
         ):
             inside = {id(n) for n in nodes}
