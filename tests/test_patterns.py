@@ -463,3 +463,41 @@ def test_fused_block_on_every_path(options, executor):
     if mode is not None:
         options["capture"] = True  # what reduce-overhead turns on (the CPU runs the loop)
     assert compile_twice(Block(), _block_inputs, executor, **options) == BLOCK
+
+
+class Chain(nn.Module):
+    def forward(self, x):
+        b = torch.cos(torch.exp(x))
+        return torch.sin(b), b * 2
+
+
+def match_chain(node, index):
+    """sin(cos(exp(x))) claimed whole, though cos's result is read elsewhere too (made_by, not
+    only_for): the pass must keep cos and the exp it reads."""
+    cos = index.made_by(node.args[0], "aten::cos")
+    exp = cos and index.made_by(cos.args[0], "aten::exp")
+    if not exp:
+        return None
+    return Match((exp.args[0],), {}, [node.outputs[0]], [node, cos, exp])
+
+
+def _sin_cos_exp(x):
+    return torch.sin(torch.cos(torch.exp(x)))
+
+
+_LIB: list[torch.library.Library] = []
+
+
+def test_matched_nodes_read_elsewhere_stay(executor):
+    if not _LIB:
+        _LIB.append(torch.library.Library("fxrt_test_patterns", "FRAGMENT"))
+        _LIB[0].define("sin_cos_exp(Tensor x) -> Tensor")
+        _LIB[0].impl("sin_cos_exp", _sin_cos_exp, "CompositeImplicitAutograd")
+    fxrt.register_pattern(
+        "sin_cos_exp", match_chain,
+        {"cpu": torch.ops.fxrt_test_patterns.sin_cos_exp.default}, anchors=["aten::sin"],
+    )  # fmt: skip
+    try:
+        assert compile_twice(Chain(), x_input(6), executor) == {"sin_cos_exp": 1}
+    finally:
+        fxrt.unregister_pattern("sin_cos_exp")

@@ -170,14 +170,16 @@ def _rewrite(
             trace = trace or max(m.nodes, key=lambda n: index.position[id(n)]).stack_trace
             fused = Node(name, op, m.args, m.kwargs, outputs, multi, trace)
             after.setdefault(at, []).append(fused)
-        inside = {id(n) for n in match.nodes}
+        # A matched node goes when each of its results is replaced or read only by nodes that
+        # go (decided from the last node back, so its readers are decided first); one whose
+        # result something else still reads stays, and so do the nodes it reads.
         replaced = set(mapping)
-        for n in match.nodes:
+        for n in sorted(match.nodes, key=lambda n: -index.position[id(n)]):
             if all(
                 v in replaced
                 or (
                     v not in index.returned
-                    and all(id(x) in inside for x in index.readers.get(v, ()))
+                    and all(id(x) in removed for x in index.readers.get(v, ()))
                 )
                 for v in n.outputs
             ):
