@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir.graph import Graph, substitute_refs
 from .analysis import (
@@ -61,7 +62,9 @@ def _equal_constants(
             continue
         if c.is_conj() or c.is_neg() or c.storage_offset() != 0:
             continue
-        key = (c.dtype, tuple(c.shape), c.stride(), bytes(c.untyped_storage()))
+        # The bytes are read with no dispatch mode active: AOTAutograd compiles under fake mode.
+        with _disable_current_modes():
+            key = (c.dtype, tuple(c.shape), c.stride(), bytes(c.untyped_storage()))
         if key in first:
             mapping[vid] = first[key]
         else:
