@@ -89,7 +89,10 @@ inline int64_t row_stride(const at::Tensor& t) {
 
 // --- rms_norm -----------------------------------------------------------------------------------
 
-[[gnu::target_clones("avx512f", "avx2", "default")]] static void rms_norm_rows(
+// O3: the elementwise loops vectorized with their tails (-O2's cost model leaves loops of
+// unknown length scalar); no reassociation, so each element rounds as before.
+[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void
+rms_norm_rows(
     const float* x,
     const float* res,  // added to x first (add_rms_norm), or nullptr
     float* sum,  // x + res is stored here when res is given
@@ -194,9 +197,10 @@ struct RopeRows {
   bool interleaved;
 };
 
-// No fused multiply-adds: each product is rounded before the sum, as eager's mul and add.
-[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("fp-contract=off")]] static void
-rope_rows(const RopeRows& p) {
+// No fused multiply-adds: each product is rounded before the sum, as eager's mul and add. O3 as
+// for rms_norm_rows.
+[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]]
+static void rope_rows(const RopeRows& p) {
   const int64_t half = p.rot / 2;
   for (int64_t a = 0; a < p.sizes[0]; ++a) {
     for (int64_t b = 0; b < p.sizes[1]; ++b) {
