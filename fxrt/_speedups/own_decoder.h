@@ -30,8 +30,8 @@
 
 #pragma once
 
-#include "inline_ops.h"
-#include "own_attention.h"
+#include "own_rotary.h"
+#include "own_rows.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/add.h>
@@ -58,34 +58,6 @@
 
 namespace fxrt {
 namespace decoder_detail {
-
-using attention_detail::exp_nonpositive;
-using attention_detail::kLanes;
-using attention_detail::Lanes;
-using attention_detail::load_lanes;
-
-// A float32 CPU tensor autograd will not record, whose last dimension is dense.
-inline bool plain_rows(const at::Tensor& t) {
-  return plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() >= 1 &&
-      (t.size(-1) <= 1 || t.stride(-1) == 1) && !(c10::GradMode::is_enabled() && t.requires_grad());
-}
-
-// The distance between consecutive rows when every dimension but the last collapses into one
-// (a contiguous tensor, a slice of its columns, a transposed view is not), else -1.
-inline int64_t row_stride(const at::Tensor& t) {
-  if (t.dim() == 1) {
-    return t.size(0);
-  }
-  const int64_t row = t.stride(-2);
-  int64_t expected = row;
-  for (int64_t d = t.dim() - 2; d >= 0; --d) {
-    if (t.size(d) != 1 && t.stride(d) != expected) {
-      return -1;
-    }
-    expected *= t.size(d);
-  }
-  return row;
-}
 
 // --- rms_norm -----------------------------------------------------------------------------------
 
@@ -178,144 +150,6 @@ inline void run_rms_norm(
       sum ? sum->mutable_data_ptr<float>() : nullptr, w.defined() ? w.const_data_ptr<float>() : nullptr,
       y.mutable_data_ptr<float>(), x.numel() / n, n, static_cast<float>(eps),
       static_cast<float>(offset), eps_outside);
-}
-
-inline at::Tensor contiguous_like(const at::Tensor& x) {
-  return at::detail::empty_cpu(x.sizes(), at::kFloat, false, c10::MemoryFormat::Contiguous);
-}
-
-// --- rotary -------------------------------------------------------------------------------------
-
-struct RopeRows {
-  const float* x;
-  const float* cos;
-  const float* sin;
-  float* out;
-  int64_t sizes[3];  // the leading dimensions (x padded to 4-D on the left)
-  int64_t xs[3], cs[3], ss[3], os[3];  // their strides (0 where cos/sin broadcast)
-  int64_t d, rot;  // features, rotated features
-  bool interleaved;
-};
-
-// No fused multiply-adds: each product is rounded before the sum, as eager's mul and add. O3 as
-// for rms_norm_rows.
-[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]]
-static void rope_rows(const RopeRows& p) {
-  const int64_t half = p.rot / 2;
-  for (int64_t a = 0; a < p.sizes[0]; ++a) {
-    for (int64_t b = 0; b < p.sizes[1]; ++b) {
-      for (int64_t c = 0; c < p.sizes[2]; ++c) {
-        const float* x = p.x + a * p.xs[0] + b * p.xs[1] + c * p.xs[2];
-        const float* cs = p.cos + a * p.cs[0] + b * p.cs[1] + c * p.cs[2];
-        const float* sn = p.sin + a * p.ss[0] + b * p.ss[1] + c * p.ss[2];
-        float* o = p.out + a * p.os[0] + b * p.os[1] + c * p.os[2];
-        if (p.interleaved) {
-          for (int64_t i = 0; i < half; ++i) {
-            const float x0 = x[2 * i], x1 = x[2 * i + 1];
-            const float a0 = x0 * cs[2 * i], b0 = -x1 * sn[2 * i];
-            const float a1 = x1 * cs[2 * i + 1], b1 = x0 * sn[2 * i + 1];
-            o[2 * i] = a0 + b0;
-            o[2 * i + 1] = a1 + b1;
-          }
-        } else {
-          for (int64_t i = 0; i < half; ++i) {
-            const float a0 = x[i] * cs[i], b0 = -x[i + half] * sn[i];
-            o[i] = a0 + b0;
-          }
-          for (int64_t i = half; i < p.rot; ++i) {
-            const float a1 = x[i] * cs[i], b1 = x[i - half] * sn[i];
-            o[i] = a1 + b1;
-          }
-        }
-        for (int64_t i = p.rot; i < p.d; ++i) {
-          o[i] = x[i];
-        }
-      }
-    }
-  }
-}
-
-// The stride of dimension d of `t` read as broadcast to x's 4-D shape (right-aligned).
-inline int64_t broadcast_stride(const at::Tensor& t, int64_t d, int64_t x_dim) {
-  const int64_t td = d - (x_dim - t.dim());
-  return td < 0 || t.size(td) == 1 ? 0 : t.stride(td);
-}
-
-inline bool broadcasts_to(const at::Tensor& t, const at::Tensor& x, int64_t rot) {
-  if (t.dim() > x.dim() || t.size(-1) != rot || (rot > 1 && t.stride(-1) != 1)) {
-    return false;
-  }
-  for (int64_t d = 1; d < t.dim(); ++d) {
-    const int64_t s = t.size(t.dim() - 1 - d);
-    if (s != 1 && s != x.size(x.dim() - 1 - d)) {
-      return false;
-    }
-  }
-  return true;
-}
-
-inline bool fast_rotary(
-    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rot) {
-  if (!plain_rows(x) || !plain_rows(cos) || !plain_rows(sin) || x.dim() < 1 || x.dim() > 4) {
-    return false;
-  }
-  const int64_t d = x.size(-1);
-  return rot > 0 && rot <= d && rot % 2 == 0 && broadcasts_to(cos, x, rot) &&
-      broadcasts_to(sin, x, rot);
-}
-
-// Eager's layout: the elementwise ops' (TensorIterator's): x's when it is dense, else the dense
-// layout that keeps its order of dimensions, as empty_like makes it; after cat: contiguous.
-inline at::Tensor rope_out(const at::Tensor& x, bool partial) {
-  return partial ? contiguous_like(x) : at::empty_like(x);
-}
-
-inline at::Tensor run_rotary(
-    const at::Tensor& x,
-    const at::Tensor& cos,
-    const at::Tensor& sin,
-    int64_t rot,
-    bool inter,
-    bool cat_layout) {
-  at::Tensor out = rope_out(x, cat_layout);
-  RopeRows p{
-      x.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-      out.mutable_data_ptr<float>(), {1, 1, 1}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0},
-      x.size(-1), rot, inter};
-  const int64_t lead = x.dim() - 1;
-  for (int64_t i = 0; i < lead; ++i) {
-    const int64_t slot = 3 - lead + i;
-    p.sizes[slot] = x.size(i);
-    p.xs[slot] = x.stride(i);
-    p.os[slot] = out.stride(i);
-    p.cs[slot] = broadcast_stride(cos, i, x.dim());
-    p.ss[slot] = broadcast_stride(sin, i, x.dim());
-  }
-  if (out.numel() > 0) {
-    rope_rows(p);
-  }
-  return out;
-}
-
-// eager's chain: x_rot * cos + rotate(x_rot) * sin, then cat with the features not rotated.
-inline at::Tensor rotary_reference(
-    const at::Tensor& x,
-    const at::Tensor& cos,
-    const at::Tensor& sin,
-    int64_t rot,
-    bool inter,
-    bool cat_layout) {
-  const int64_t d = x.size(-1);
-  const at::Tensor xr = rot == d ? x : x.slice(-1, 0, rot);
-  at::Tensor rotated;
-  if (inter) {
-    const at::Tensor x1 = xr.slice(-1, 0, rot, 2), x2 = xr.slice(-1, 1, rot, 2);
-    rotated = at::stack({at::neg(x2), x1}, -1).flatten(-2);
-  } else {
-    rotated = at::cat({at::neg(xr.slice(-1, rot / 2, rot)), xr.slice(-1, 0, rot / 2)}, -1);
-  }
-  at::Tensor y = at::add(at::mul(xr, cos), at::mul(rotated, sin));
-  return cat_layout ? at::cat({y, x.slice(-1, rot, d)}, -1) : y;
 }
 
 // --- gated --------------------------------------------------------------------------------------
@@ -455,29 +289,6 @@ inline std::tuple<at::Tensor, at::Tensor> add_rms_norm(
   }
   at::Tensor sum = at::add(input, residual);
   return {rms_norm_reference(sum, w, eps, weight_offset, eps_outside), sum};
-}
-
-inline std::tuple<at::Tensor, at::Tensor> rotary(
-    const at::Tensor& q,
-    const at::Tensor& k,
-    const at::Tensor& cos,
-    const at::Tensor& sin,
-    int64_t rotary_dim,
-    bool interleaved) {
-  using namespace decoder_detail;
-  const int64_t rot = rotary_dim < 0 ? q.size(-1) : rotary_dim;
-  TORCH_CHECK(
-      rot <= q.size(-1) && rot <= k.size(-1) && rot % 2 == 0, "fxrt::rotary: rotary_dim ", rot,
-      " must be even and at most the features of q (", q.size(-1), ") and k (", k.size(-1), ")");
-  const bool cat_layout = rotary_dim >= 0;
-  if (fast_rotary(q, cos, sin, rot) && fast_rotary(k, cos, sin, rot)) {
-    return {
-        run_rotary(q, cos, sin, rot, interleaved, cat_layout),
-        run_rotary(k, cos, sin, rot, interleaved, cat_layout)};
-  }
-  return {
-      rotary_reference(q, cos, sin, rot, interleaved, cat_layout),
-      rotary_reference(k, cos, sin, rot, interleaved, cat_layout)};
 }
 
 inline at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
