@@ -103,14 +103,20 @@ def test_workloads_cpp_equals_load_equals_eager(
 
 @pytest.fixture(scope="module")
 def gpt2(store: Path) -> tuple[Any, Path]:
+
+    return _export_client("gpt2", store)
+
+
+def _export_client(name: str, store: Path) -> tuple[Any, Path]:
+    """A client-tier model exported with its mask and a dynamic sequence length (2 to 32)."""
     from clients_child import build
 
-    model = build("gpt2")
+    model = build(name)
     ids = _ids(2, 8)
     seq = Dim("seq", min=2, max=32)
     kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False}
     dyn = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
-    path = store / "gpt2.fxrt"
+    path = store / f"{name}.fxrt"
     fxrt.export(model, (ids,), kwargs, dynamic_shapes=dyn).save(path)
     return model, path
 
@@ -698,15 +704,7 @@ def test_fused_decoder_package(runner: Any, store: Path, tmp_path: Path) -> None
     """A decoder's fused patterns travel in the package: its manifest names the fused ops, and
     fxrt.load (both loops) and the C++ runtime run them with eager's answers, over a dynamic
     sequence length."""
-    from clients_child import build
-
-    model = build("llama")
-    ids = _ids(2, 8)
-    seq = Dim("seq", min=2, max=32)
-    kwargs = {"attention_mask": torch.ones_like(ids), "use_cache": False}
-    dyn = {"input_ids": {1: seq}, "attention_mask": {1: seq}, "use_cache": None}
-    path = store / "llama.fxrt"
-    fxrt.export(model, (ids,), kwargs, dynamic_shapes=dyn).save(path)
+    model, path = _export_client("llama", store)
     loaded = fxrt.load(path)
     assert {"fxrt::rms_norm", "fxrt::add_rms_norm", "fxrt::rotary", "fxrt::gated"} <= set(
         loaded.manifest["ops"]

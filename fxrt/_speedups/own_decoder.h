@@ -233,6 +233,12 @@ inline Act checked_activation(c10::string_view name) {
   return *act;
 }
 
+// An absent optional tensor as an undefined one, which the kernels read as "no weight".
+inline const at::Tensor& or_undefined(const std::optional<at::Tensor>& t) {
+  static const at::Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
+
 }  // namespace decoder_detail
 
 // --- the ops ------------------------------------------------------------------------------------
@@ -244,7 +250,7 @@ inline at::Tensor rms_norm(
     double weight_offset,
     bool eps_outside) {
   using namespace decoder_detail;
-  const at::Tensor& w = weight.has_value() ? *weight : at::Tensor();
+  const at::Tensor& w = or_undefined(weight);
   if (!fast_rms_norm(input, w)) {
     return rms_norm_reference(input, w, eps, weight_offset, eps_outside);
   }
@@ -261,7 +267,7 @@ inline at::Tensor& rms_norm_out(
     bool eps_outside,
     at::Tensor& out) {
   using namespace decoder_detail;
-  const at::Tensor& w = weight.has_value() ? *weight : at::Tensor();
+  const at::Tensor& w = or_undefined(weight);
   if (fast_rms_norm(input, w) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
       out.sizes().equals(input.sizes())) {
     run_rms_norm(input, nullptr, nullptr, w, eps, weight_offset, eps_outside, out);
@@ -279,7 +285,7 @@ inline std::tuple<at::Tensor, at::Tensor> add_rms_norm(
     double weight_offset,
     bool eps_outside) {
   using namespace decoder_detail;
-  const at::Tensor& w = weight.has_value() ? *weight : at::Tensor();
+  const at::Tensor& w = or_undefined(weight);
   if (fast_rms_norm(input, w) && plain_rows(residual) && residual.is_contiguous() &&
       residual.sizes().equals(input.sizes())) {
     at::Tensor sum = contiguous_like(input);

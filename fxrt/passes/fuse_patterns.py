@@ -89,7 +89,7 @@ def _target(
     pattern: Pattern, match: Match, index: GraphIndex, own_ops: bool
 ) -> tuple[list[Match], Op] | None:
     first = next((r for r in match.results if r is not None), None)
-    meta = graph_meta(index, first)
+    meta = None if first is None else index.graph.values[first].meta
     if meta is None:
         return None
     target: Target | None = pattern.targets.get(target_device(meta.device.split(":")[0]))
@@ -107,10 +107,6 @@ def _target(
             return None
         calls = adapted if isinstance(adapted, list) else [adapted]
     return calls, Op.of(op)
-
-
-def graph_meta(index: GraphIndex, vid: int | None):
-    return None if vid is None else index.graph.values[vid].meta
 
 
 def _place(
