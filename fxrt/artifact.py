@@ -7,9 +7,10 @@ Layout::
 
 The hash is checked before anything is parsed, so a truncated or bit-flipped file is refused as a
 whole. Each tensor is described in the document by a :class:`TensorRecord` (dtype, sizes, strides,
-device, byte count, SHA-256 of its bytes, offset in the data section) and stored as its raw bytes
-in C order; a tensor is rebuilt by copying those bytes into a new tensor, and only layouts that
-are dense and non-overlapping are accepted, so a record can never describe memory it does not own.
+device, byte count, SHA-256 of its bytes, offset in the data section) and stored as the raw bytes
+of the storage it spans, from its first element to its last; a tensor is rebuilt as a view with
+its strides of a copy of those bytes, and the byte count must be exactly that span, so a record
+can never describe memory it does not own (any strides round-trip: permuted, expanded, gapped).
 The on-disk cache keeps tensor bytes outside the entry, one file per SHA-256 (each stored once).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,39 +101,36 @@ def _lists(d: dict[str, Any]) -> bool:
     )
 
 
-def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """True when ``stride`` lays ``shape``'s elements out densely, each in its own place."""
-    if any(s < 0 for s in shape) or any(s < 0 for s in stride):
-        return False
-    expected = 1
-    for size, st in sorted(
-        ((sz, st) for sz, st in zip(shape, stride) if sz != 1), key=lambda p: p[1]
-    ):
-        if st != expected:
-            return False
-        expected *= size
-    return True
+def extent(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """How many elements of storage a tensor of ``shape`` and ``stride`` spans, from its first
+    element to its last (0 for no elements)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((size - 1) * st for size, st in zip(shape, stride))
 
 
 def encode_tensor(t: torch.Tensor) -> TensorRecord:
-    """The record and bytes of a dense strided tensor of a standard dtype.
+    """The record and bytes of a strided tensor of a standard dtype: the bytes of the storage it
+    spans, from its first element to its last, so any strides round-trip exactly (a dense
+    permuted tensor, an expanded one with stride 0, one with gaps).
 
     Raises:
         ArtifactError: a layout or dtype the format does not hold (sparse, quantized, a fake or
-            meta tensor, overlapping strides).
+            meta tensor).
     """
     t = t.detach()
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         raise ArtifactError(f"a {t.layout} tensor on {t.device} is not stored")
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise ArtifactError(f"a tensor subclass ({type(t).__name__}) is not stored")
+    t = t.resolve_conj().resolve_neg()
     shape, stride = tuple(t.shape), tuple(t.stride())
-    if t.numel() and not _dense(shape, stride):
-        raise ArtifactError(f"strides {stride} of sizes {shape} overlap or leave gaps")
-    # Bytes in the order of the strides (so a dense permuted tensor round-trips exactly).
-    order = sorted(range(t.dim()), key=lambda d: -stride[d])
-    flat = t.permute(order).contiguous().cpu() if t.dim() else t.contiguous().cpu()
-    payload = flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    span = extent(shape, stride)
+    if span:
+        flat = t.as_strided((span,), (1,)).cpu()  # from the tensor's own storage offset
+        payload = flat.view(torch.uint8).numpy().tobytes()
+    else:
+        payload = b""
     return TensorRecord(
         str(t.dtype),
         shape,
@@ -157,10 +155,10 @@ def decode_tensor(r: TensorRecord, payload: bytes) -> torch.Tensor:
     dtype = _DTYPES.get(r.dtype)
     if dtype is None:
         raise ArtifactError(f"unknown dtype {r.dtype[:30]!r}")
-    if any(s < 0 for s in r.shape) or not _dense(r.shape, r.stride) and math.prod(r.shape):
-        raise ArtifactError(f"strides {r.stride} of sizes {r.shape} are not dense")
+    if len(r.shape) != len(r.stride) or any(s < 0 for s in (*r.shape, *r.stride)):
+        raise ArtifactError(f"strides {r.stride} do not fit sizes {r.shape}")
     itemsize = dtype.itemsize
-    if math.prod(r.shape) * itemsize != r.nbytes or len(payload) != r.nbytes:
+    if extent(r.shape, r.stride) * itemsize != r.nbytes or len(payload) != r.nbytes:
         raise ArtifactError(
             f"{len(payload)} bytes for a {r.dtype} tensor of sizes {r.shape} ({r.nbytes} recorded)"
         )
@@ -171,7 +169,7 @@ def decode_tensor(r: TensorRecord, payload: bytes) -> torch.Tensor:
     except RuntimeError:
         raise ArtifactError(f"{r.device[:30]!r} is not a device") from None
     if r.nbytes:
-        # The bytes are the dense tensor's memory in order: the tensor is a view of their copy,
+        # The bytes are the storage the tensor spans: the tensor is a view of their copy,
         # made without running a copy kernel (whose code a fresh process would page in).
         out = torch.frombuffer(bytearray(payload), dtype=dtype).as_strided(r.shape, r.stride)
     else:

@@ -67,10 +67,11 @@ class CompiledGraph:
         self.plan = plan
         self.config = config
         idle = config.arena_max_idle
-        if config.pure_python or not native_available():
-            self._loop: PythonLoop | NativeLoop = PythonLoop(program, arena_max_idle=idle)
-        else:
-            self._loop = NativeLoop(program, arena_max_idle=idle)
+        with outside_inference_mode():  # the tensors binding makes serve every later call
+            if config.pure_python or not native_available():
+                self._loop: PythonLoop | NativeLoop = PythonLoop(program, arena_max_idle=idle)
+            else:
+                self._loop = NativeLoop(program, arena_max_idle=idle)
         self.program = self._loop.program  # with the compiled loop's demotions, if any
         self.executor: str = self._loop.name
         self.pass_records: list[PassRecord] = []
@@ -152,7 +153,7 @@ class CompiledGraph:
             SerializationError: not an fxrt artifact, damaged, invalid, or made by another
                 fxrt/torch.
         """
-        with _gc_paused():
+        with _gc_paused(), outside_inference_mode():
             graph, plan, records = load_graph(artifact)
             return cls._rebuilt(graph, plan, records, config or CompilerConfig())
 
@@ -207,7 +208,7 @@ def cached_compile(
             key = None
         store = cache.open_store(config) if key is not None else None
         if store is not None:
-            with _gc_paused():
+            with _gc_paused(), outside_inference_mode():
                 hit = _load_entry(store, key, key_graph, config)
     if store is None:  # build() runs in the caller's modes (Dynamo's fake mode)
         return build()
@@ -226,6 +227,19 @@ def cached_compile(
     with _disable_current_modes():
         _store_entry(store, key, caller, traces, cg, name)
     return cg
+
+
+@contextlib.contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """Tensors made here are ordinary tensors even when compiling under ``torch.inference_mode``
+    (the numbers binding turns into tensors, constants loaded or folded): the graph is also called
+    outside it, where autograd refuses to save an inference tensor for backward. Grad mode stays
+    what it was (leaving inference mode alone would turn it on)."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.set_grad_enabled(torch.is_grad_enabled()):
+        yield
 
 
 @contextlib.contextmanager
@@ -300,11 +314,19 @@ def _store_entry(
     traces = [first_with.get(n.stack_trace) if n.stack_trace else None for n in cg.graph.nodes]
     try:
         doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces)
+        data = pack(doc, tensors, inline=False)
     except SerializationError as e:
         cache.stats["uncached"] += 1  # e.g. a higher-order op: compiled, just not stored
         log.debug("fxrt cache: not storing %s: %s", name, e)
         return
-    data = pack(doc, tensors, inline=False)
+    except Exception as e:  # a store never fails a compile: the graph works, only uncached
+        cache.stats["uncached"] += 1
+        warnings.warn(
+            f"fxrt cache: {name} compiled but not stored ({type(e).__name__}: {e}); it will be "
+            "compiled again next time. Please report this.",
+            stacklevel=4,
+        )
+        return
     record = {
         "name": name,
         "ops": len(cg.graph.nodes),
@@ -406,14 +428,15 @@ def _compile(
     weights are graph inputs there), so constant folding may fold them. Else only
     ``config.freeze`` lets it fold them."""
     cache.stats["compiled"] += 1
-    c = compile_stages(
-        gm,
-        example_inputs,
-        config,
-        owned_constants=owned_constants,
-        graph=graph,
-        graph_seconds=graph_seconds,
-    )
+    with outside_inference_mode():  # what folding makes serves calls outside it too
+        c = compile_stages(
+            gm,
+            example_inputs,
+            config,
+            owned_constants=owned_constants,
+            graph=graph,
+            graph_seconds=graph_seconds,
+        )
     cg = CompiledGraph(c.graph, c.plan, c.program, config)
     cg.pass_records = c.pass_records
     cg.stage_records = c.records

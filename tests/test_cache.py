@@ -508,3 +508,40 @@ def test_two_processes_compiling_one_key_at_once(tmp_path):
     assert len(Store(tmp_path).index()) == 1
     assert not [p for p in tmp_path.rglob(".tmp-*")]
     assert run_child(DUMP, tmp_path, "python").get("hit", 0) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Storing an entry never fails a compile
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_folded_stride_zero_constant_is_stored_and_hits(tmp_path, executor):
+    # quantile of a 0-d tensor folds to a constant of sizes (1,) and strides (0,): storing it
+    # failed the compile.
+    skip_unless_executor(executor)
+    opts = {"cache_dir": str(tmp_path), "pure_python": executor == "python"}
+    for attempt in ("cold", "warm"):
+        torch._dynamo.reset()
+        before = dict(cache.stats)
+        f = torch.compile(lambda x, q: torch.quantile(x, q), backend="fxrt", options=opts)
+        for v in (3.0, -1.5):
+            x = torch.tensor(v)
+            torch.testing.assert_close(f(x, 0.5), torch.quantile(x, 0.5))
+        kind = "stored" if attempt == "cold" else "hit"
+        assert cache.stats[kind] > before.get(kind, 0), (attempt, dict(cache.stats))
+
+
+def test_a_store_that_fails_warns_and_the_graph_still_works(tmp_path, monkeypatch):
+    import fxrt.compiler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot encode this")
+
+    monkeypatch.setattr(fxrt.compiler, "encode_graph", broken)
+    x = torch.randn(4, 3)
+    gm = make_fx(lambda x: (x.cos() + 1).sum(0))(x)
+    with pytest.warns(UserWarning, match="not stored.*cannot encode this"):
+        cg = fxrt.compile_graph(gm, [x], config(tmp_path))
+    y = torch.randn(4, 3)
+    torch.testing.assert_close(cg(y), (y.cos() + 1).sum(0))
+    assert entries(tmp_path) == []

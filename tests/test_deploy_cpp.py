@@ -724,3 +724,25 @@ def test_fused_decoder_package(runner: Any, store: Path, tmp_path: Path) -> None
         (cpp,) = _run_cpp(runner, path, [ids, mask], tmp_path)
         for out in (cpp, *outs):
             torch.testing.assert_close(out, eager)
+
+
+class _StridedConstants(torch.nn.Module):
+    # Folding leaves constants that are not dense: quantile of a 0-d tensor is one of sizes (1,)
+    # and strides (0,). Packages hold them with their strides, and both faces load them.
+    def forward(self, x):
+        return x * torch.tensor([1.0, 2.0, 3.0]).expand(4, 3) + torch.quantile(
+            torch.tensor(3.0), 0.5
+        )
+
+
+def test_strided_constants_load_in_both_faces(runner: Any, tmp_path: Path) -> None:
+    model, x = _StridedConstants(), torch.randn(4, 3)
+    path = tmp_path / "strided.fxrt"
+    fxrt.export(model, (x,)).save(path)
+    strides = [v.stride() for v in fxrt.load(path).graph.constants.values()]
+    assert (0,) in strides, strides
+    x = torch.randn(4, 3)
+    (cpp,) = _run_cpp(runner, path, [x], tmp_path)
+    torch.testing.assert_close(cpp, model(x))
+    for pure_python in (False, True):
+        torch.testing.assert_close(_loaded(path, pure_python)(x), model(x))

@@ -86,6 +86,30 @@ def test_constants_folded_under_inference_mode_work_with_grad(executor):
     torch.testing.assert_close(xg.grad, want)
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_compiled_under_inference_mode_then_called_with_grad(executor, cache, tmp_path):
+    # The number in ``w * 2`` became a tensor when the program was bound, under inference mode:
+    # an inference tensor, which autograd refused to save for backward.
+    skip_unless_executor(executor)
+    config = fxrt.CompilerConfig(
+        pure_python=executor == "python", cache=cache, cache_dir=str(tmp_path)
+    )
+    f = lambda w: w * 2 + torch.tensor([0.5, 1.0, 1.5])  # noqa: E731
+    for _ in range(2 if cache else 1):  # with the cache: cold, then a hit
+        with torch.inference_mode():
+            gm = make_fx(f)(torch.randn(3))
+            cg = fxrt.compile_graph(gm, [torch.randn(3)], config)
+        for _ in range(2):
+            w = torch.randn(3, requires_grad=True)
+            out = cg(w)
+            torch.testing.assert_close(out, f(w.detach()))
+            out.sum().backward()
+            torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+        with torch.inference_mode():  # and inference calls still work
+            w = torch.randn(3)
+            torch.testing.assert_close(cg(w), f(w))
+
+
 def test_tensor_literals_still_fold_through_torch_compile(executor):
     skip_unless_executor(executor)
     torch._dynamo.reset()

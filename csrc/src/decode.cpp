@@ -425,24 +425,6 @@ int64_t view_kind(const std::string& name, const std::string& where) {
   return named(kViews, name, "view kind", where);
 }
 
-bool dense(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride) {
-  std::vector<size_t> order(shape.size());
-  for (size_t i = 0; i < order.size(); ++i) {
-    order[i] = i;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return stride[a] < stride[b];
-  });
-  int64_t expected = 1;
-  for (size_t d : order) {
-    if (shape[d] != 1 && stride[d] != expected) {
-      return false;
-    }
-    expected *= shape[d];
-  }
-  return true;
-}
-
 // Highest element index + 1 a geometry reads (0 for no elements); -1 on overflow.
 int64_t extent(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride, int64_t offset) {
   int64_t last = offset;

@@ -59,8 +59,6 @@ c10::IValue plain_constant(const json::Value& v, const std::string& where);
 int64_t sym_kind(const std::string& name, const std::string& where);
 int64_t view_kind(const std::string& name, const std::string& where);
 
-// Whether strides lay out `shape` densely (a permutation of a contiguous layout).
-bool dense(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride);
 // The highest element index + 1 a geometry reads (0 for no elements); -1 on overflow.
 int64_t extent(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride, int64_t offset);
 

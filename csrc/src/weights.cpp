@@ -189,17 +189,11 @@ std::vector<IValue> Model::Impl::graph_constants(
     bool requires_grad = boolean(member(*rec, "requires_grad", where), where);
     c10::Device dev = decode::device(string(member(*rec, "device", where), where), where);
     const std::string& digest = string(member(*rec, "sha256", where), where);
-    int64_t numel = 1;
-    for (int64_t s : shape) {
-      if (__builtin_mul_overflow(numel, s, &numel)) {
-        fail(where + ": too many elements");
-      }
-    }
+    int64_t span = shape.size() == stride.size() ? extent(shape, stride, 0) : -1;
     int64_t want = 0;
-    if (shape.size() != stride.size() || shape.size() > kMaxDims ||
-        __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(type)), &want) ||
-        want != nbytes || static_cast<uint64_t>(nbytes) != e->second.end - e->second.begin ||
-        (numel > 0 && !dense(shape, stride))) {
+    if (span < 0 || shape.size() > kMaxDims ||
+        __builtin_mul_overflow(span, static_cast<int64_t>(c10::elementSize(type)), &want) ||
+        want != nbytes || static_cast<uint64_t>(nbytes) != e->second.end - e->second.begin) {
       fail(where + ": its record does not match its bytes");
     }
     uint8_t* bytes = raw.file->data() + raw.data_start + e->second.begin;
@@ -208,22 +202,14 @@ std::vector<IValue> Model::Impl::graph_constants(
     if (Sha256::hex(h.digest()) != digest) {
       fail(where + ": tensor bytes do not match their hash");
     }
-    at::Tensor t = at::empty_strided(shape, stride, at::TensorOptions().dtype(type));
-    if (numel > 0) {
-      // The bytes are in the order of the strides (largest first), as fxrt.artifact writes them.
-      std::vector<int64_t> order(shape.size());
-      for (size_t d = 0; d < order.size(); ++d) {
-        order[d] = static_cast<int64_t>(d);
-      }
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return stride[static_cast<size_t>(a)] > stride[static_cast<size_t>(b)];
-      });
-      std::vector<int64_t> permuted;
-      for (int64_t d : order) {
-        permuted.push_back(shape[static_cast<size_t>(d)]);
-      }
-      at::Tensor src = at::from_blob(bytes, permuted, at::TensorOptions().dtype(type));
-      t.permute(order).copy_(src);
+    // The bytes are the storage the tensor spans, first element to last, as fxrt.artifact
+    // writes them: the tensor is a view with its strides of their copy.
+    at::Tensor t;
+    if (span > 0) {
+      at::TensorOptions options = at::TensorOptions().dtype(type);
+      t = at::from_blob(bytes, {span}, options).clone().as_strided(shape, stride);
+    } else {
+      t = at::empty_strided(shape, stride, at::TensorOptions().dtype(type));
     }
     if (dev != t.device()) {
       t = t.to(dev);
