@@ -45,9 +45,21 @@ def backend(
     Raises:
         ValueError: an unknown option or mode.
     """
+    from . import precompile
+
     config = CompilerConfig.from_options(mode, options)
+    precompile.install()
     if is_inference(example_inputs):
-        return _compile_inference(gm, example_inputs, config)
+        cg = _compile_inference(gm, example_inputs, config)
+        precompile.record_for_caching_precompile(gm, cg)
+        return cg
+    if _in_aot_compile():
+        raise RuntimeError(
+            "fxrt: aot_compile / save_compiled_function holds inference graphs only, and this "
+            "graph needs autograd (an input requires grad and grad mode is on). Compile it under "
+            "torch.no_grad() (or with inputs that do not require grad), or use "
+            "backend='aot_eager' or 'inductor' for a training graph."
+        )
 
     from torch._dynamo.backends.common import aot_autograd
 
@@ -82,6 +94,15 @@ def _compile_inference(
     if not static:
         return build()
     return cached_compile(key_graph, example_inputs, config, build, gm)
+
+
+def _in_aot_compile() -> bool:
+    """Whether Dynamo's ``aot_compile`` is calling the backend: it turns on AOTAutograd's
+    bundled, strict cache for the call, which nothing else does."""
+    cfg = torch._functorch.config
+    return bool(
+        cfg.bundled_autograd_cache and cfg.strict_autograd_cache and cfg.force_autograd_cache
+    )
 
 
 def is_inference(example_inputs: Sequence[Any]) -> bool:

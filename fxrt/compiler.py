@@ -168,6 +168,22 @@ class CompiledGraph:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_load_pickled, (self.dump_artifacts(),))
 
+    # PyTorch's precompile (``aot_compile`` / ``load_compiled_function``): the two class methods
+    # of ``torch._dynamo.aot_compile_types.SerializableCallable`` (see :mod:`fxrt.precompile`).
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: CompiledGraph) -> bytes:
+        """``fn``'s data-only bytes and the options it runs under."""
+        from .precompile import serialize
+
+        return serialize(fn)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> CompiledGraph:
+        """The graph of :meth:`serialize_compile_artifacts` bytes, validated as a cache entry."""
+        from .precompile import deserialize
+
+        return deserialize(data)
+
     def graph_text(self) -> str:
         return graph_to_text(self.graph)
 

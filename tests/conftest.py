@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -239,3 +243,25 @@ def dev():
         return standin.load()
     except standin.Unavailable as e:
         pytest.skip(str(e))
+
+
+def run_child(script: str, cache_dir, executor: str, *args: str, env: dict | None = None) -> dict:
+    """Run ``script`` in a fresh process on ``cache_dir``; return the JSON its last line prints."""
+    environ = {
+        **os.environ,
+        "FXRT_CACHE_DIR": str(cache_dir),
+        "FXRT_PURE_PYTHON": "1" if executor == "python" else "0",
+        **(env or {}),
+    }
+    path = os.path.join(tempfile.mkdtemp(), "child.py")  # a file: Dynamo records source lines
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(script))
+    out = subprocess.run(
+        [sys.executable, path, *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -230,9 +230,18 @@ def setter(path, value):
         node[path[-1]] = copy.deepcopy(value)
     return edit
 
-cg, x = sample()
+cg, x = sample(sys.argv[1])
 cfg = fxrt.CompilerConfig(pure_python=sys.argv[1] == "python", cache=False)
-data = cg.dump_artifacts()
+if sys.argv[4] == "precompiled":  # PyTorch's precompile: the artifact and the options it runs under
+    import dataclasses
+    from fxrt import precompile
+
+    cg.config = dataclasses.replace(cg.config, arena_max_idle=1, check_inputs=False)
+    data = precompile.serialize(cg)
+    load = lambda b, _cfg: precompile.deserialize(b)  # noqa: E731
+else:
+    data = cg.dump_artifacts()
+    load = fxrt.CompiledGraph.load_artifacts
 doc, _ = fxrt.artifact.unpack(data)
 rng = random.Random(0)
 all_paths = [p for p in paths(doc) if p and p[0] not in ("format", "versions")]
@@ -241,7 +250,7 @@ rng.shuffle(cases)
 counts = {"refused": 0, "ran": 0, "raised": 0}
 for path, value in cases[: int(sys.argv[3])]:
     try:
-        loaded = fxrt.CompiledGraph.load_artifacts(repack(data, setter(path, value)), cfg)
+        loaded = load(repack(data, setter(path, value)), cfg)
     except SerializationError:
         counts["refused"] += 1
         continue
@@ -257,7 +266,7 @@ for _ in range(200):  # raw flips and cuts never get past the hash
     b[i] ^= 1 << rng.randrange(8)
     for bad in (bytes(b), bytes(raw[: rng.randrange(len(raw))])):
         try:
-            fxrt.CompiledGraph.load_artifacts(bad, cfg)
+            load(bad, cfg)
             raise SystemExit("a damaged artifact loaded")
         except SerializationError:
             counts["refused"] += 1
@@ -265,15 +274,16 @@ print(json.dumps(counts))
 """
 
 
+@pytest.mark.parametrize("kind", ["artifact", "precompiled"])
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_fuzzed_artifacts_never_crash_or_run_code(executor, tmp_path):
+def test_fuzzed_artifacts_never_crash_or_run_code(executor, kind, tmp_path):
     skip_unless_executor(executor)
     script = tmp_path / "fuzz.py"
     script.write_text(textwrap.dedent(FUZZ))
     n = 3000 if os.environ.get("FXRT_FUZZ") == "full" else 600
     tests_dir = os.path.dirname(__file__)
     out = subprocess.run(
-        [sys.executable, str(script), executor, tests_dir, str(n)],
+        [sys.executable, str(script), executor, tests_dir, str(n), kind],
         capture_output=True,
         text=True,
         timeout=600,

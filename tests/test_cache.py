@@ -14,13 +14,12 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import textwrap
 import warnings
 
 import pytest
 import torch
-from conftest import EXECUTORS, skip_unless_executor
+from conftest import EXECUTORS, run_child, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -42,28 +41,6 @@ def entries(root) -> list:
 
 def config(tmp_path, executor="python", **kw) -> fxrt.CompilerConfig:
     return fxrt.CompilerConfig(cache_dir=str(tmp_path), pure_python=executor == "python", **kw)
-
-
-def run_child(script: str, cache_dir, executor: str, *args: str, env: dict | None = None) -> dict:
-    """Run ``script`` in a fresh process on ``cache_dir``; return the JSON its last line prints."""
-    environ = {
-        **os.environ,
-        "FXRT_CACHE_DIR": str(cache_dir),
-        "FXRT_PURE_PYTHON": "1" if executor == "python" else "0",
-        **(env or {}),
-    }
-    path = os.path.join(tempfile.mkdtemp(), "child.py")  # a file: Dynamo records source lines
-    with open(path, "w") as f:
-        f.write(textwrap.dedent(script))
-    out = subprocess.run(
-        [sys.executable, path, *args],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------------------

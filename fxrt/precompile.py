@@ -1,0 +1,174 @@
+"""PyTorch's own precompile with ``backend="fxrt"``.
+
+Two PyTorch APIs save Dynamo's work with the backend's result and load it in a fresh process:
+
+* ``torch.compile(fn, fullgraph=True, backend="fxrt").aot_compile(((args), {kwargs}))``, then
+  ``save_compiled_function(path)`` and ``torch.compiler.load_compiled_function(file)``: Dynamo
+  asks the backend's result for its bytes through ``SerializableCallable``'s two class methods.
+  :class:`fxrt.CompiledGraph` implements them (it is registered as a virtual subclass, so a call
+  still goes straight to the executor).
+* ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo's caching precompile): the backend records a
+  :class:`FxrtArtifact` for each graph it compiles, keyed by the graph's ``_backend_id``;
+  ``torch.compiler.save_cache_artifacts()`` writes them with Dynamo's guards, and a later process
+  loads them when it calls ``torch.compile`` and never calls the backend.
+
+Both carry fxrt's data-only artifact (:mod:`fxrt.serialize`: ops by qualified name, tensors as
+bytes, validated on load exactly as a cache entry) plus the options the graph runs under (those a
+loaded graph needs: the mode, capture, input checks, the arena; process-local ones such as the
+cache or dump directory are the loading process's). PyTorch lifts a model's parameters and
+buffers to graph inputs, so the bytes hold no weights: the loaded function takes the module
+(``loaded(model, x)``) and reads its current weights.
+
+Only inference graphs precompile: a graph compiled for autograd (an input requires grad and
+grad mode is on) is AOTAutograd's forward and backward pair, which this format does not hold;
+the error says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .artifact import ArtifactError, pack, unpack
+from .config import CompilerConfig
+from .serialize import SerializationError, decode_graph, encode_graph
+
+KIND = "fxrt-precompiled/1"
+# Where the loading process's own settings apply, not the compiling one's.
+_PROCESS_LOCAL = frozenset({"dump_dir", "cache", "cache_dir", "cache_max_bytes"})
+# Never carried: objects (a graph pool), and the deprecated spelling of own_ops.
+_NEVER = _PROCESS_LOCAL | {"use_graph_pool", "native_kernels"}
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _carried_options(config: CompilerConfig) -> dict[str, Any]:
+    """The options that differ from this process's defaults and are plain data."""
+    default = CompilerConfig()
+    out = {}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if f.name in _NEVER or v == getattr(default, f.name):
+            continue
+        if isinstance(v, _PLAIN) or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            out[f.name] = v
+    return out
+
+
+def serialize(cg: Any) -> bytes:
+    """The bytes of a compiled graph for PyTorch's precompile.
+
+    Raises:
+        SerializationError: the graph holds something the format cannot name (a higher-order
+            op, a Python callable other than pure arithmetic).
+    """
+    try:
+        doc, tensors = encode_graph(cg.graph, cg.pass_records)
+    except SerializationError as e:
+        raise SerializationError(f"fxrt cannot save {cg.name} for precompile: {e}") from None
+    doc["precompiled"] = {"kind": KIND, "options": _carried_options(cg.config)}
+    return pack(doc, tensors)
+
+
+def deserialize(data: bytes) -> Any:
+    """A compiled graph rebuilt from :func:`serialize` bytes, loading data only.
+
+    Raises:
+        SerializationError: not fxrt's precompile bytes, damaged, invalid, or made by another
+            fxrt or torch.
+    """
+    from .compiler import CompiledGraph, _gc_paused, outside_inference_mode
+
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise SerializationError(f"fxrt precompile data must be bytes, got {type(data).__name__}")
+    try:
+        doc, section = unpack(bytes(data))
+    except ArtifactError as e:
+        raise SerializationError(f"not valid fxrt precompile data: {e}") from None
+    head = doc.pop("precompiled", None) if isinstance(doc, dict) else None
+    if not isinstance(head, dict) or head.get("kind") != KIND:
+        raise SerializationError(f"not {KIND} data (an fxrt artifact of another kind?)")
+    options = head.get("options")
+    if not isinstance(options, dict) or set(options) & _NEVER:
+        raise SerializationError(f"invalid options in fxrt precompile data: {options!r:.200}")
+    try:
+        config = dataclasses.replace(CompilerConfig(), **options)
+    except (TypeError, ValueError) as e:
+        raise SerializationError(f"invalid options in fxrt precompile data: {e}") from None
+    with _gc_paused(), outside_inference_mode():
+        graph, plan, records, _ = decode_graph(doc, lambda _n, r: _read(section, r))
+        return CompiledGraph._rebuilt(graph, plan, records, config)
+
+
+def _read(section: Any, record: Any) -> Any:
+    from .artifact import decode_tensor
+
+    return decode_tensor(record, section.read(record))
+
+
+def describe(data: bytes) -> dict[str, Any]:
+    """What precompile bytes hold, without rebuilding them (for tools and error messages)."""
+    doc, _ = unpack(data)
+    return {
+        "kind": doc.get("precompiled", {}).get("kind"),
+        "ops": len(doc.get("nodes", ())),
+        "options": json.loads(json.dumps(doc.get("precompiled", {}).get("options"))),
+    }
+
+
+def install() -> None:
+    """Make :class:`fxrt.CompiledGraph` a ``SerializableCallable`` (called when Dynamo runs the
+    backend, so importing fxrt never imports Dynamo)."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    from .compiler import CompiledGraph
+
+    if not issubclass(CompiledGraph, SerializableCallable):
+        SerializableCallable.register(CompiledGraph)
+
+
+def record_for_caching_precompile(gm: Any, cg: Any) -> None:
+    """Under ``TORCH_CACHING_PRECOMPILE=1``, hand Dynamo the bytes of ``cg`` for the graph
+    ``gm`` (Dynamo's package keeps them with its guards). A graph the format cannot hold is
+    left to Dynamo, which compiles it again in the next process."""
+    import torch._dynamo.config
+
+    backend_id = getattr(gm, "_backend_id", None)
+    if not torch._dynamo.config.caching_precompile or backend_id is None:
+        return
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    try:
+        data = serialize(cg)
+    except SerializationError:
+        return
+    PrecompileContext.record_artifact(_artifact_class()(backend_id, data))
+
+
+_ARTIFACT: type | None = None
+
+
+def _artifact_class() -> type:
+    """:class:`FxrtArtifact`, defined on first use (its base class is Dynamo's)."""
+    global _ARTIFACT
+    if _ARTIFACT is None:
+        from torch._dynamo.precompile_context import BackendCacheArtifact
+
+        @dataclasses.dataclass
+        class FxrtArtifact(BackendCacheArtifact):  # type: ignore[misc]
+            """An fxrt graph in Dynamo's caching precompile: ``content`` is its bytes."""
+
+            def after_deserialization(self) -> Any:
+                return deserialize(self.content)
+
+        FxrtArtifact.__module__ = __name__
+        FxrtArtifact.__qualname__ = "FxrtArtifact"
+        _ARTIFACT = FxrtArtifact
+    return _ARTIFACT
+
+
+def __getattr__(name: str) -> Any:
+    # ``fxrt.precompile.FxrtArtifact`` resolves (Dynamo's package pickles the class by name).
+    if name == "FxrtArtifact":
+        return _artifact_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
