@@ -14,14 +14,18 @@ def _cache(action: str, directory: str | None) -> int:
     store = Store(cache_dir(directory))
     entries = store.index() if store.root.is_dir() else {}
     if action == "list":
+        # level: "dynamo" = keyed on Dynamo's graph, before fxrt's ATen trace (a hit skips it);
+        # "aten" = keyed on the ATen graph handed over (AOTAutograd's, compile_graph's).
         print(
-            f"{'key':16}  {'graph':40}  {'ops':>5}  {'bytes':>10}  {'created':19}  "
+            f"{'key':16}  {'level':6}  {'graph':40}  {'ops':>5}  {'bytes':>10}  {'created':19}  "
             f"{'last used':19}  versions"
         )
         for key, r in sorted(entries.items(), key=lambda kv: -_num(kv[1].get("last_used"))):
             v = r.get("versions") if isinstance(r.get("versions"), dict) else {}
+            level = str(r.get("level", "aten"))[:6]
             print(
-                f"{key[:16]}  {str(r.get('name', '?'))[:40]:40}  {_num(r.get('ops')):>5}  "
+                f"{key[:16]}  {level:6}  {str(r.get('name', '?'))[:40]:40}  "
+                f"{_num(r.get('ops')):>5}  "
                 f"{_num(r.get('bytes')):>10}  {_when(r.get('created'))}  "
                 f"{_when(r.get('last_used'))}  "
                 f"torch {v.get('torch', '?')}, fxrt {v.get('fxrt', '?')}"

@@ -15,6 +15,7 @@ Dynamo hands over a Torch-level FX graph. Two paths lower it to ATen:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .compiler import get_compiler
 from .config import CompilerConfig
+
+log = logging.getLogger("fxrt")
 
 
 def backend(
@@ -72,14 +75,18 @@ def backend(
 def _compile_inference(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompilerConfig
 ) -> Callable[..., Any]:
-    """Trace to ATen and compile, through the cache keyed on Dynamo's graph itself (so a hit
-    skips the ATen trace too).
+    """Trace to ATen and compile, through the cache keyed on Dynamo's graph itself, so that a hit
+    skips the ATen trace too.
 
-    Only graphs with static shapes are cached: tracing a graph with symbolic sizes may add
-    guards to Dynamo's shape environment, and a cache hit, which skips that trace, would lose them.
+    A graph with symbolic sizes is keyed with the facts of Dynamo's shape environment, and its
+    entry holds the guards the trace added; a hit whose guards hold for these sizes adds them
+    again (:mod:`fxrt.shapefacts`). One whose facts cannot be keyed (sizes that depend on data)
+    is compiled without the cache.
     """
+    from . import cache
     from .compiler import _compile, cached_compile
     from .ir import ValueKind, from_fx
+    from .shapefacts import ShapeFacts
 
     key_graph = from_fx(gm, example_inputs)
     static = all(
@@ -91,9 +98,23 @@ def _compile_inference(
         aten, fake_inputs = trace_to_aten(gm, example_inputs)
         return _compile(aten, fake_inputs, config, owned_constants=True)
 
-    if not static:
+    if static:
+        return cached_compile(key_graph, example_inputs, config, build, gm, level="dynamo")
+    if not config.cache:
         return build()
-    return cached_compile(key_graph, example_inputs, config, build, gm)
+    try:
+        shapes = ShapeFacts.of(example_inputs)
+    except cache.Unkeyable as e:
+        cache.stats["uncached"] += 1
+        log.debug("fxrt cache: not caching %s: %s", cache.graph_name(key_graph), e)
+        return build()
+    # The inputs as Dynamo traced them: sizes by symbol, not this call's numbers.
+    fakes = [n.meta.get("example_value", x) for n, x in zip(_placeholders(gm), example_inputs)]
+    return cached_compile(key_graph, fakes, config, build, gm, level="dynamo", shapes=shapes)
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _in_aot_compile() -> bool:
@@ -145,8 +166,7 @@ def trace_to_aten(
 
     # Prefer the fakes Dynamo itself traced with (placeholder metadata): they carry its symbols
     # and memos, e.g. the SymFloat behind a scalar tensor Dynamo reads with .item().
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    dynamo_fakes = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    dynamo_fakes = [n.meta.get("example_value", n.meta.get("val")) for n in _placeholders(gm)]
     inputs = [
         f if isinstance(f, FakeTensor) and f.fake_mode is fake_mode else fakify(x)
         for f, x in zip(dynamo_fakes, example_inputs)

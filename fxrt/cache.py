@@ -43,6 +43,10 @@ from .ops.own_ops import available as own_ops_available
 from .patterns import registry_fingerprint as pattern_fingerprint
 from .serialize import FORMAT, versions
 
+# What an entry's key was computed on. "dynamo": the graph Dynamo hands over, before fxrt traces
+# it to ATen (a hit skips the trace); "aten": an ATen graph as handed over (AOTAutograd's
+# forward/backward, ``compile_graph``'s argument).
+LEVELS = {"dynamo": "before the ATen trace", "aten": "on the ATen graph handed over"}
 stats: Counter[str] = Counter()  # "hit", "miss", "stored", "rejected", "uncached", "compiled"
 log = logging.getLogger("fxrt")
 # Where things go, or how the loaded program runs (a hit is lowered under the caller's config):
@@ -71,11 +75,15 @@ _NOT_KEYED = (
 # The key
 
 
-def _describe_input(x: Any) -> str:
+def _describe_input(x: Any, symbolic: bool) -> str:
+    """An input's metadata; with ``symbolic``, sizes may be symbols (a Dynamo fake's), written
+    by name (the key's shape facts say what each symbol may be)."""
     if isinstance(x, torch.Tensor):
         return f"T{x.dtype}{tuple(x.shape)}{x.stride()}{x.device}{x.requires_grad}"
-    if isinstance(x, torch.SymInt):
-        raise Unkeyable("a symbolic input")
+    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+        if not symbolic:
+            raise Unkeyable("a symbolic input")
+        return f"{type(x).__name__}:{x}"
     return f"{type(x).__name__}:{x!r}"
 
 
@@ -94,8 +102,18 @@ def config_text(config: Any) -> str:
     return ";".join(parts)
 
 
-def cache_key(graph: Any, example_inputs: Sequence[Any], config: Any) -> str:
+def cache_key(
+    graph: Any,
+    example_inputs: Sequence[Any],
+    config: Any,
+    *,
+    level: str = "aten",
+    shape_facts: str | None = None,
+) -> str:
     """The key of ``graph`` (fxrt IR) compiled for ``example_inputs`` under ``config``.
+
+    ``level``: what ``graph`` is (:data:`LEVELS`). ``shape_facts``: for a graph with symbolic
+    sizes, :meth:`fxrt.shapefacts.ShapeFacts.key` (symbols' ranges, replacements, guards).
 
     Raises:
         Unkeyable: the graph, its constants or the config cannot be fingerprinted.
@@ -112,7 +130,8 @@ def cache_key(graph: Any, example_inputs: Sequence[Any], config: Any) -> str:
         raise Unkeyable(f"a fused pattern: {e}") from None
     own_ops = ",".join(sorted(own_ops_available()))
     head = (
-        FORMAT, MAGIC, sorted(versions().items()), config_text(config), kernels, own_ops, patterns
+        FORMAT, MAGIC, sorted(versions().items()), config_text(config), kernels, own_ops, patterns,
+        level, shape_facts,
     )  # fmt: skip
     for part in (*map(repr, head), text):
         h.update(part.encode() + b"\0")
@@ -125,7 +144,7 @@ def cache_key(graph: Any, example_inputs: Sequence[Any], config: Any) -> str:
             except Unkeyable as e:
                 raise Unkeyable(f"node {node.name} calls {node.op.name}, which holds {e}") from None
     for x in example_inputs:
-        h.update(_describe_input(x).encode())
+        h.update(_describe_input(x, shape_facts is not None).encode())
     for vid, c in graph.constants.items():
         try:
             h.update(f"{vid}:{fingerprint(c)}".encode())

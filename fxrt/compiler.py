@@ -32,6 +32,7 @@ from .ir import Graph, from_fx, graph_to_text
 from .passes import PassRecord
 from .pipeline import compile_stages, lower_program
 from .serialize import SerializationError, decode_graph, dump_graph, encode_graph, load_graph
+from .shapefacts import ShapeFacts
 
 log = logging.getLogger("fxrt")
 
@@ -204,8 +205,15 @@ def cached_compile(
     config: CompilerConfig,
     build: Callable[[], CompiledGraph],
     gm: torch.fx.GraphModule | None = None,
+    *,
+    level: str = "aten",
+    shapes: ShapeFacts | None = None,
 ) -> CompiledGraph:
     """``build()``, or the on-disk cache's entry for ``key_graph`` when there is one.
+
+    ``level`` says what ``key_graph`` is (:data:`fxrt.cache.LEVELS`). ``shapes``: the shape
+    environment of a graph with symbolic sizes; the key includes its facts, the entry the guards
+    ``build()`` added, and a hit adds them again (:mod:`fxrt.shapefacts`).
 
     The key, the load and the store run outside any fake or dispatch mode (Dynamo calls backends
     under its fake mode): constants are hashed and loaded as the real tensors they are. On a hit,
@@ -217,31 +225,49 @@ def cached_compile(
     name = cache.graph_name(key_graph)
     with _disable_current_modes():
         try:
-            key = cache.cache_key(key_graph, example_inputs or (), config)
+            facts = shapes.key() if shapes is not None else None
+            key = cache.cache_key(
+                key_graph, example_inputs or (), config, level=level, shape_facts=facts
+            )
         except cache.Unkeyable as e:
             cache.stats["uncached"] += 1
             log.debug("fxrt cache: not caching %s: %s", name, e)
             key = None
         store = cache.open_store(config) if key is not None else None
         if store is not None:
+            t0 = time.perf_counter()
             with _gc_paused(), outside_inference_mode():
-                hit = _load_entry(store, key, key_graph, config)
+                hit = _load_entry(store, key, key_graph, config, shapes)
+            seconds = time.perf_counter() - t0
     if store is None:  # build() runs in the caller's modes (Dynamo's fake mode)
         return build()
     if hit is not None:
         cache.stats["hit"] += 1
-        log.info("fxrt cache: hit %s key %s", name, key[:16])
+        log.info(
+            "fxrt cache: hit %s %s, key %s, loaded in %.1f ms",
+            name, cache.LEVELS[level], key[:16], seconds * 1e3,
+        )  # fmt: skip
         if config.dump_dir:
             _dump_hit(config.dump_dir, gm, hit, store.entry_path(key))
         return hit
     cache.stats["miss"] += 1
-    log.info("fxrt cache: miss %s key %s", name, key[:16])
+    log.info("fxrt cache: miss %s %s, key %s", name, cache.LEVELS[level], key[:16])
     # What the entry refers to, taken before build(), whose passes may edit ``key_graph``.
     caller = list(key_graph.constants.values())
     traces = [n.stack_trace for n in key_graph.nodes]
-    cg = build()
+    guards: list[str] = []
+    if shapes is None:
+        cg = build()
+    else:
+        try:
+            with shapes.recording(guards):
+                cg = build()
+        except cache.Unkeyable as e:  # raised once build() returned: compiled, not stored
+            log.debug("fxrt cache: not storing %s: %s", name, e)
+            cache.stats["uncached"] += 1
+            return cg
     with _disable_current_modes():
-        _store_entry(store, key, caller, traces, cg, name)
+        _store_entry(store, key, caller, traces, cg, name, level, guards)
     return cg
 
 
@@ -273,7 +299,11 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _load_entry(
-    store: cache.Store, key: str, key_graph: Graph, config: CompilerConfig
+    store: cache.Store,
+    key: str,
+    key_graph: Graph,
+    config: CompilerConfig,
+    shapes: ShapeFacts | None,
 ) -> CompiledGraph | None:
     found = store.read(key)
     if found is None:
@@ -294,12 +324,21 @@ def _load_entry(
             except OSError as e:
                 raise SerializationError(f"tensor bytes missing: {e}") from None
 
+        guards = doc.pop("shape_guards", []) if isinstance(doc, dict) else []
+        if shapes is None and guards != []:
+            raise SerializationError("shape guards in an entry of a graph without symbolic sizes")
+        if shapes is not None and not shapes.admits(guards):
+            # Valid, but for other sizes: this trace would take other branches. A miss.
+            log.debug("fxrt cache: entry %s is for other sizes (a shape guard is false)", key[:16])
+            return None
         caller = list(key_graph.constants.values())
         graph, plan, records, traces = decode_graph(doc, fetch, caller)
         for node, i in zip(graph.nodes, traces):
             if i is not None and i < len(key_graph.nodes):
                 node.stack_trace = key_graph.nodes[i].stack_trace  # this process's source line
         cg = CompiledGraph._rebuilt(graph, plan, records, config)
+        if shapes is not None:
+            shapes.replay(guards)  # as the trace would have: Dynamo's guards include them
     except Exception as e:  # whatever is wrong with an entry, a cache never fails a compile
         cache.stats["rejected"] += 1
         warnings.warn(
@@ -322,6 +361,8 @@ def _store_entry(
     caller_traces: list[str | None],
     cg: CompiledGraph,
     name: str,
+    level: str,
+    guards: list[str],
 ) -> None:
     first_with: dict[str, int] = {}
     for i, trace in enumerate(caller_traces):
@@ -330,6 +371,8 @@ def _store_entry(
     traces = [first_with.get(n.stack_trace) if n.stack_trace else None for n in cg.graph.nodes]
     try:
         doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces)
+        if guards:
+            doc["shape_guards"] = guards
         data = pack(doc, tensors, inline=False)
     except SerializationError as e:
         cache.stats["uncached"] += 1  # e.g. a higher-order op: compiled, just not stored
@@ -345,6 +388,7 @@ def _store_entry(
         return
     record = {
         "name": name,
+        "level": level,
         "ops": len(cg.graph.nodes),
         "versions": doc["versions"],
         "sha256": content_hash(data),

@@ -163,6 +163,9 @@ def encode_graph(
         SerializationError: the graph holds something the format cannot name.
     """
     w = _Writer(caller_constants)
+    for v in graph.values:  # what the reader would refuse is not written (e.g. ToFloat(s0))
+        if v.expr is not None:
+            _size_expr(v.expr, f"value {v.name} expression")
     for node in graph.nodes:
         if node.op.kind is OpKind.PYTHON:
             w.op(node)  # names the op, or says why it cannot

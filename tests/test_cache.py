@@ -358,8 +358,18 @@ def test_cache_cli(tmp_path):
     assert "entries:   1" in out.stdout
     out = subprocess.run([*run, "list", "--dir", str(tmp_path)], capture_output=True, text=True)
     assert "1 entries" in out.stdout and "graph of 3 ops" in out.stdout, out.stdout
+    # Both kinds of entries, each with its level: one keyed on an ATen graph (above), one on
+    # Dynamo's graph before the trace.
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.cos() * 3, backend="fxrt", options={"cache_dir": str(tmp_path)})
+    f(torch.randn(5))
+    out = subprocess.run([*run, "list", "--dir", str(tmp_path)], capture_output=True, text=True)
+    levels = [line.split()[1] for line in out.stdout.splitlines()[1:-1]]
+    assert sorted(levels) == ["aten", "dynamo"], out.stdout
+    out = subprocess.run([*run, "info", "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert "entries:   2" in out.stdout
     out = subprocess.run([*run, "clear", "--dir", str(tmp_path)], capture_output=True, text=True)
-    assert "removed 1 entries" in out.stdout
+    assert "removed 2 entries" in out.stdout
     assert entries(tmp_path) == []
     assert user_file.read_bytes() == b"the user's own file"
     assert (tmp_path / "ab" / "notes.fxrt").exists()
