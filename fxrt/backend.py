@@ -88,6 +88,10 @@ def _compile_inference(
     from .ir import ValueKind, from_fx
     from .shapefacts import ShapeFacts
 
+    # Dynamo restarts with float inputs specialized before anything is looked up or traced.
+    _specialize_float_inputs(
+        [n.meta.get("example_value", n.meta.get("val")) for n in _placeholders(gm)]
+    )
     key_graph = from_fx(gm, example_inputs)
     static = all(
         v.kind is not ValueKind.SYM and (v.meta is None or v.meta.is_static)

@@ -191,6 +191,36 @@ def test_editing_an_allow_in_graph_helper_misses(tmp_path, monkeypatch):
     sys.modules.pop("fxrt_test_helpers", None)
 
 
+SCALE = 2.0
+
+
+def _scaled(x):
+    return (x * SCALE).relu().view(-1, 2).sum(-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_changed_global_or_option_misses_before_the_trace(tmp_path, monkeypatch, dynamic):
+    """The key of Dynamo's graph sees what its trace would: a global the function reads (Dynamo
+    bakes its value in) and every option that changes the traced or compiled graph."""
+
+    def run(options=None):
+        torch._dynamo.reset()
+        opts = {**_opts(tmp_path), **(options or {})}
+        f = torch.compile(_scaled, backend="fxrt", options=opts, dynamic=dynamic)
+        before = dict(cache.stats)
+        for n in (8, 12):
+            x = torch.randn(n)
+            torch.testing.assert_close(f(x), _scaled(x))
+        return {k: cache.stats[k] - before.get(k, 0) for k in ("hit", "miss")}
+
+    assert run()["miss"] >= 1
+    assert run()["miss"] == 0  # the same: hits only
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", -3.0)
+    assert run()["miss"] >= 1  # the global changed
+    assert run({"opt_level": 1})["miss"] >= 1  # an option changed
+    assert run({"disable_patterns": ["rms_norm"]})["miss"] >= 1
+
+
 def test_pass_factories_with_other_closures_miss(tmp_path):
     """User passes are keyed by their code and the values they close over."""
 
