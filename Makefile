@@ -51,6 +51,7 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/entry.py
 	$(PY) benchmarks/dynamic.py
 	$(PY) benchmarks/cache.py
+	$(PY) benchmarks/coldstart.py --repeats 3
 	$(PY) benchmarks/compile_time.py --sizes 1000 3000 6000 15000
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/inductor.py --rounds 41 --clock cpu --python-loop

@@ -280,7 +280,8 @@ def outside_inference_mode() -> Iterator[None]:
     if not torch.is_inference_mode_enabled():
         yield
         return
-    with torch.inference_mode(False), torch.set_grad_enabled(torch.is_grad_enabled()):
+    grad = torch.is_grad_enabled()  # read before: leaving inference mode turns grad mode on
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
         yield
 
 

@@ -139,28 +139,50 @@ def test_guard_text_outside_the_grammar_is_refused(text):
         from_text(text, {str(s): s})
 
 
-def test_a_hostile_guard_in_an_entry_is_refused_and_recompiled(tmp_path):
+def _forge_guards(tmp_path, guards) -> None:
+    """Replace the stored shape guards of the one entry, re-hashed so the edit reaches the
+    reader."""
     import hashlib
     import json
 
     from fxrt.artifact import MAGIC, unpack
     from fxrt.cachestore import Store
 
-    x = torch.randn(1, 2, 8)
-    assert _compile_dynamic(tmp_path, x)["stored"] == 1
     store = Store(tmp_path)
     (key,) = store.index()
     data, record = store.read(key)
     doc, section = unpack(data)
-    doc["shape_guards"] = ["__import__('os').system('touch pwned')"]
+    doc["shape_guards"] = guards
     js = json.dumps(doc).encode()
     body = len(js).to_bytes(8, "little") + js + bytes(section.data)
-    forged = MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
     record["sha256"] = hashlib.sha256(body).hexdigest()
-    store.write(key, forged, {}, record)
-    with pytest.warns(UserWarning, match="ignoring unusable entry"):
-        counts = _compile_dynamic(tmp_path, x.clone())
-    assert counts["miss"] == 1 and counts["stored"] == 1
+    store.write(key, MAGIC + record["sha256"].encode() + b"\n" + body, {}, record)
+
+
+HOSTILE_GUARDS = [
+    ["__import__('os').system('touch pwned')"],
+    "Equality(s53, Integer(8))",  # not a list
+    [None],
+    [7],
+    ["Equality(s53, Integer(8)"],  # unbalanced
+    ["Equality(s99, Integer(8))"],  # another symbol
+    ["Integer(1)"],  # not a condition
+    ["Equality(s53, Integer(8))"] * 10_000,
+    [{"ref": 0}],
+]
+
+
+@pytest.mark.parametrize("guards", HOSTILE_GUARDS, ids=range(len(HOSTILE_GUARDS)))
+def test_forged_shape_guards_never_run_code_or_give_a_wrong_answer(tmp_path, guards):
+    import warnings
+
+    x = torch.randn(1, 2, 8)
+    assert _compile_dynamic(tmp_path, x)["stored"] == 1
+    _forge_guards(tmp_path, guards)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unusable entry warns; a miss does not
+        counts = _compile_dynamic(tmp_path, torch.randn(1, 2, 8))  # the answer is checked there
+    assert counts["hit"] + counts["miss"] == 1
     assert not list(tmp_path.glob("**/pwned"))
 
 

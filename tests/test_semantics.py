@@ -110,6 +110,27 @@ def test_compiled_under_inference_mode_then_called_with_grad(executor, cache, tm
             torch.testing.assert_close(cg(w), f(w))
 
 
+def test_compiling_under_inference_mode_keeps_grad_mode_off(executor):
+    # Leaving inference mode for the compile (so that its tensors are ordinary ones) must not
+    # turn grad mode on: folded weights would then carry autograd history.
+    skip_unless_executor(executor)
+    seen = []
+
+    def post_pass(gm, example_inputs, config):
+        seen.append(torch.is_grad_enabled())
+
+    model = ScaledLinear()
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        gm = make_fx(model)(x)
+        cg = fxrt.compile_graph(
+            gm, [x], cfg(executor, freeze=True, post_grad_custom_post_pass=post_pass)
+        )
+        torch.testing.assert_close(cg(x), model(x))
+    assert seen == [False]
+    assert all(c.grad_fn is None for c in cg.graph.constants.values())
+
+
 def test_tensor_literals_still_fold_through_torch_compile(executor):
     skip_unless_executor(executor)
     torch._dynamo.reset()
