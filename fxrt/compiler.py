@@ -371,7 +371,7 @@ def _store_entry(
             first_with.setdefault(trace, i)
     traces = [first_with.get(n.stack_trace) if n.stack_trace else None for n in cg.graph.nodes]
     try:
-        doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces)
+        doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces, check_exprs=True)
         if guards:
             doc["shape_guards"] = guards
         data = pack(doc, tensors, inline=False)

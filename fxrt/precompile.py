@@ -63,7 +63,7 @@ def serialize(cg: Any) -> bytes:
             op, a Python callable other than pure arithmetic).
     """
     try:
-        doc, tensors = encode_graph(cg.graph, cg.pass_records)
+        doc, tensors = encode_graph(cg.graph, cg.pass_records, check_exprs=True)
     except SerializationError as e:
         raise SerializationError(f"fxrt cannot save {cg.name} for precompile: {e}") from None
     doc["precompiled"] = {"kind": KIND, "options": _carried_options(cg.config)}

@@ -148,6 +148,8 @@ def encode_graph(
     records: Sequence[Any] = (),
     caller_constants: Sequence[Any] = (),
     traces_from: Sequence[int | None] | None = None,
+    *,
+    check_exprs: bool = False,
 ) -> tuple[dict[str, Any], dict[str, TensorRecord]]:
     """The document and tensors of an artifact for ``graph``.
 
@@ -158,14 +160,18 @@ def encode_graph(
             constant that *is* one of them is stored as a reference, not as bytes.
         traces_from: per node, the index of the caller's node whose source line it carries (the
             loader takes that node's current line), or None.
+        check_exprs: refuse symbolic value expressions :func:`decode_graph` would refuse (for
+            what :func:`decode_graph` reads back: cache entries, precompile bytes; a package's
+            loader reads its program's own arithmetic).
 
     Raises:
         SerializationError: the graph holds something the format cannot name.
     """
     w = _Writer(caller_constants)
-    for v in graph.values:  # what the reader would refuse is not written (e.g. ToFloat(s0))
-        if v.expr is not None:
-            _size_expr(v.expr, f"value {v.name} expression")
+    if check_exprs:  # what decode_graph would refuse is not written (e.g. ToFloat(s0))
+        for v in graph.values:
+            if v.expr is not None:
+                _size_expr(v.expr, f"value {v.name} expression")
     for node in graph.nodes:
         if node.op.kind is OpKind.PYTHON:
             w.op(node)  # names the op, or says why it cannot
