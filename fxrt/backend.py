@@ -15,6 +15,7 @@ Dynamo hands over a Torch-level FX graph. Two paths lower it to ATen:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,13 +49,11 @@ def backend(
     Raises:
         ValueError: an unknown option or mode.
     """
-    from . import precompile
-
     config = CompilerConfig.from_options(mode, options)
-    precompile.install()
+    _install_serializable()
     if is_inference(example_inputs):
         cg = _compile_inference(gm, example_inputs, config)
-        precompile.record_for_caching_precompile(gm, cg)
+        _record_for_caching_precompile(gm, cg)
         return cg
     if _in_aot_compile():
         raise RuntimeError(
@@ -203,3 +202,70 @@ def _specialize_float_inputs(dynamo_fakes: Sequence[Any]) -> None:
             restart = True
     if restart:
         raise TensorifyScalarRestartAnalysis
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's precompile (the data format is fxrt.precompile's)
+
+
+def _install_serializable() -> None:
+    """Make :class:`fxrt.CompiledGraph` a ``SerializableCallable`` (called when Dynamo runs the
+    backend, so importing fxrt never imports Dynamo)."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    from .compiler import CompiledGraph
+
+    if not issubclass(CompiledGraph, SerializableCallable):
+        SerializableCallable.register(CompiledGraph)
+
+
+def _record_for_caching_precompile(gm: Any, cg: Any) -> None:
+    """Under ``TORCH_CACHING_PRECOMPILE=1``, hand Dynamo the bytes of ``cg`` for the graph
+    ``gm`` (Dynamo's package keeps them with its guards). A graph the format cannot hold is
+    left to Dynamo, which compiles it again in the next process."""
+    import torch._dynamo.config
+
+    backend_id = getattr(gm, "_backend_id", None)
+    if not torch._dynamo.config.caching_precompile or backend_id is None:
+        return
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    from .precompile import serialize
+    from .serialize import SerializationError
+
+    try:
+        data = serialize(cg)
+    except SerializationError:
+        return
+    PrecompileContext.record_artifact(_artifact_class()(backend_id, data))
+
+
+_ARTIFACT: type | None = None
+
+
+def _artifact_class() -> type:
+    """:class:`FxrtArtifact`, defined on first use (its base class is Dynamo's)."""
+    global _ARTIFACT
+    if _ARTIFACT is None:
+        from torch._dynamo.precompile_context import BackendCacheArtifact
+
+        @dataclasses.dataclass
+        class FxrtArtifact(BackendCacheArtifact):  # type: ignore[misc]
+            """An fxrt graph in Dynamo's caching precompile: ``content`` is its bytes."""
+
+            def after_deserialization(self) -> Any:
+                from .compiler import CompiledGraph
+
+                return CompiledGraph.deserialize_compile_artifacts(self.content)
+
+        FxrtArtifact.__module__ = __name__
+        FxrtArtifact.__qualname__ = "FxrtArtifact"
+        _ARTIFACT = FxrtArtifact
+    return _ARTIFACT
+
+
+def __getattr__(name: str) -> Any:
+    # ``fxrt.backend.FxrtArtifact`` resolves (Dynamo's package pickles the class by name).
+    if name == "FxrtArtifact":
+        return _artifact_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -183,7 +183,8 @@ class CompiledGraph:
         """The graph of :meth:`serialize_compile_artifacts` bytes, validated as a cache entry."""
         from .precompile import deserialize
 
-        return deserialize(data)
+        with _gc_paused(), outside_inference_mode():
+            return deserialize(data, cls._rebuilt)
 
     def graph_text(self) -> str:
         return graph_to_text(self.graph)

@@ -7,8 +7,8 @@ Two PyTorch APIs save Dynamo's work with the backend's result and load it in a f
   asks the backend's result for its bytes through ``SerializableCallable``'s two class methods.
   :class:`fxrt.CompiledGraph` implements them (it is registered as a virtual subclass, so a call
   still goes straight to the executor).
-* ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo's caching precompile): the backend records a
-  :class:`FxrtArtifact` for each graph it compiles, keyed by the graph's ``_backend_id``;
+* ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo's caching precompile): the backend records an
+  ``fxrt.backend.FxrtArtifact`` for each graph it compiles, keyed by the graph's ``_backend_id``;
   ``torch.compiler.save_cache_artifacts()`` writes them with Dynamo's guards, and a later process
   loads them when it calls ``torch.compile`` and never calls the backend.
 
@@ -27,7 +27,7 @@ the error says so.
 from __future__ import annotations
 
 import dataclasses
-import json
+from collections.abc import Callable
 from typing import Any
 
 from .artifact import ArtifactError, pack, unpack
@@ -70,15 +70,14 @@ def serialize(cg: Any) -> bytes:
     return pack(doc, tensors)
 
 
-def deserialize(data: bytes) -> Any:
-    """A compiled graph rebuilt from :func:`serialize` bytes, loading data only.
+def deserialize(data: bytes, rebuild: Callable[..., Any]) -> Any:
+    """``rebuild(graph, plan, pass_records, config)`` of :func:`serialize` bytes, loading data
+    only (``CompiledGraph.deserialize_compile_artifacts`` passes its constructor).
 
     Raises:
         SerializationError: not fxrt's precompile bytes, damaged, invalid, or made by another
             fxrt or torch.
     """
-    from .compiler import CompiledGraph, _gc_paused, outside_inference_mode
-
     if not isinstance(data, bytes | bytearray | memoryview):
         raise SerializationError(f"fxrt precompile data must be bytes, got {type(data).__name__}")
     try:
@@ -95,80 +94,11 @@ def deserialize(data: bytes) -> Any:
         config = dataclasses.replace(CompilerConfig(), **options)
     except (TypeError, ValueError) as e:
         raise SerializationError(f"invalid options in fxrt precompile data: {e}") from None
-    with _gc_paused(), outside_inference_mode():
-        graph, plan, records, _ = decode_graph(doc, lambda _n, r: _read(section, r))
-        return CompiledGraph._rebuilt(graph, plan, records, config)
+    graph, plan, records, _ = decode_graph(doc, lambda _n, r: _read(section, r))
+    return rebuild(graph, plan, records, config)
 
 
 def _read(section: Any, record: Any) -> Any:
     from .artifact import decode_tensor
 
     return decode_tensor(record, section.read(record))
-
-
-def describe(data: bytes) -> dict[str, Any]:
-    """What precompile bytes hold, without rebuilding them (for tools and error messages)."""
-    doc, _ = unpack(data)
-    return {
-        "kind": doc.get("precompiled", {}).get("kind"),
-        "ops": len(doc.get("nodes", ())),
-        "options": json.loads(json.dumps(doc.get("precompiled", {}).get("options"))),
-    }
-
-
-def install() -> None:
-    """Make :class:`fxrt.CompiledGraph` a ``SerializableCallable`` (called when Dynamo runs the
-    backend, so importing fxrt never imports Dynamo)."""
-    from torch._dynamo.aot_compile_types import SerializableCallable
-
-    from .compiler import CompiledGraph
-
-    if not issubclass(CompiledGraph, SerializableCallable):
-        SerializableCallable.register(CompiledGraph)
-
-
-def record_for_caching_precompile(gm: Any, cg: Any) -> None:
-    """Under ``TORCH_CACHING_PRECOMPILE=1``, hand Dynamo the bytes of ``cg`` for the graph
-    ``gm`` (Dynamo's package keeps them with its guards). A graph the format cannot hold is
-    left to Dynamo, which compiles it again in the next process."""
-    import torch._dynamo.config
-
-    backend_id = getattr(gm, "_backend_id", None)
-    if not torch._dynamo.config.caching_precompile or backend_id is None:
-        return
-    from torch._dynamo.precompile_context import PrecompileContext
-
-    try:
-        data = serialize(cg)
-    except SerializationError:
-        return
-    PrecompileContext.record_artifact(_artifact_class()(backend_id, data))
-
-
-_ARTIFACT: type | None = None
-
-
-def _artifact_class() -> type:
-    """:class:`FxrtArtifact`, defined on first use (its base class is Dynamo's)."""
-    global _ARTIFACT
-    if _ARTIFACT is None:
-        from torch._dynamo.precompile_context import BackendCacheArtifact
-
-        @dataclasses.dataclass
-        class FxrtArtifact(BackendCacheArtifact):  # type: ignore[misc]
-            """An fxrt graph in Dynamo's caching precompile: ``content`` is its bytes."""
-
-            def after_deserialization(self) -> Any:
-                return deserialize(self.content)
-
-        FxrtArtifact.__module__ = __name__
-        FxrtArtifact.__qualname__ = "FxrtArtifact"
-        _ARTIFACT = FxrtArtifact
-    return _ARTIFACT
-
-
-def __getattr__(name: str) -> Any:
-    # ``fxrt.precompile.FxrtArtifact`` resolves (Dynamo's package pickles the class by name).
-    if name == "FxrtArtifact":
-        return _artifact_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -238,7 +238,7 @@ if sys.argv[4] == "precompiled":  # PyTorch's precompile: the artifact and the o
 
     cg.config = dataclasses.replace(cg.config, arena_max_idle=1, check_inputs=False)
     data = precompile.serialize(cg)
-    load = lambda b, _cfg: precompile.deserialize(b)  # noqa: E731
+    load = lambda b, _cfg: fxrt.CompiledGraph.deserialize_compile_artifacts(b)  # noqa: E731
 else:
     data = cg.dump_artifacts()
     load = fxrt.CompiledGraph.load_artifacts

@@ -144,11 +144,13 @@ def test_other_bytes_are_refused():
     cg = _sample("python")
     data = precompile.serialize(cg)
     with pytest.raises(SerializationError, match="not fxrt-precompiled"):
-        precompile.deserialize(cg.dump_artifacts())  # an artifact, not precompile data
+        fxrt.CompiledGraph.deserialize_compile_artifacts(
+            cg.dump_artifacts()
+        )  # an artifact, not precompile data
     with pytest.raises(SerializationError):
-        precompile.deserialize(data[:-5])
+        fxrt.CompiledGraph.deserialize_compile_artifacts(data[:-5])
     with pytest.raises(SerializationError, match="must be bytes"):
-        precompile.deserialize("text")  # type: ignore[arg-type]
+        fxrt.CompiledGraph.deserialize_compile_artifacts("text")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -163,7 +165,7 @@ def test_invalid_options_are_refused(options):
 
     data = repack(precompile.serialize(_sample("python")), edit)
     with pytest.raises(SerializationError, match="invalid options"):
-        precompile.deserialize(data)
+        fxrt.CompiledGraph.deserialize_compile_artifacts(data)
 
 
 def test_a_graph_the_format_cannot_hold_names_itself():
