@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .artifact import ArtifactError, pack, unpack
+from .artifact import ArtifactError, decode_tensor, pack, unpack
 from .config import CompilerConfig
 from .serialize import SerializationError, decode_graph, encode_graph
 
@@ -94,11 +94,5 @@ def deserialize(data: bytes, rebuild: Callable[..., Any]) -> Any:
         config = dataclasses.replace(CompilerConfig(), **options)
     except (TypeError, ValueError) as e:
         raise SerializationError(f"invalid options in fxrt precompile data: {e}") from None
-    graph, plan, records, _ = decode_graph(doc, lambda _n, r: _read(section, r))
+    graph, plan, records, _ = decode_graph(doc, lambda _n, r: decode_tensor(r, section.read(r)))
     return rebuild(graph, plan, records, config)
-
-
-def _read(section: Any, record: Any) -> Any:
-    from .artifact import decode_tensor
-
-    return decode_tensor(record, section.read(record))
