@@ -9,7 +9,7 @@ import sys
 
 def _cache(action: str, directory: str | None) -> int:
     # The index answers; torch is not imported (this takes well under a second).
-    from .cachestore import Store, cache_dir, total_bytes
+    from .cache.store import Store, cache_dir, total_bytes
 
     store = Store(cache_dir(directory))
     entries = store.index() if store.root.is_dir() else {}

@@ -83,7 +83,8 @@ def _compile_inference(
     is compiled without the cache.
     """
     from . import cache
-    from .compiler import _compile, cached_compile
+    from .cache.lookup import cached_compile
+    from .compiler import CompiledGraph, _compile
     from .ir import ValueKind, from_fx
     from .shapefacts import ShapeFacts
 
@@ -101,8 +102,12 @@ def _compile_inference(
         aten, fake_inputs = trace_to_aten(gm, example_inputs)
         return _compile(aten, fake_inputs, config, owned_constants=True)
 
+    rebuild = CompiledGraph._rebuilt
+
     if static:
-        return cached_compile(key_graph, example_inputs, config, build, gm, level="dynamo")
+        return cached_compile(
+            key_graph, example_inputs, config, build, gm, rebuild=rebuild, level="dynamo"
+        )
     if not config.cache:
         return build()
     try:
@@ -113,7 +118,9 @@ def _compile_inference(
         return build()
     # The inputs as Dynamo traced them: sizes by symbol, not this call's numbers.
     fakes = [n.meta.get("example_value", x) for n, x in zip(_placeholders(gm), example_inputs)]
-    return cached_compile(key_graph, fakes, config, build, gm, level="dynamo", shapes=shapes)
+    return cached_compile(
+        key_graph, fakes, config, build, gm, rebuild=rebuild, level="dynamo", shapes=shapes
+    )
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

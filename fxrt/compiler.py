@@ -4,24 +4,20 @@ lifetime plan, arena, lowering) to a :class:`CompiledGraph`, the executor of the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._python_dispatch import _disable_current_modes
 
-from . import cache, profiler
-from .artifact import ArtifactError, TensorRecord, content_hash, decode_tensor, pack, unpack
+from . import profiler
+from .cache import stats as cache_stats
+from .cache.lookup import cached_compile
 from .config import CompilerConfig
-from .dump import Dumper
 from .exec.capture import CaptureReport, CaptureRunner
 from .exec.interp import PythonLoop
 from .exec.native import NativeLoop, native_available
@@ -29,10 +25,10 @@ from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
 from .exec.streams import node_stream_labels
 from .ir import Graph, from_fx, graph_to_text
+from .modes import gc_paused, outside_inference_mode
 from .passes import PassRecord
 from .pipeline import compile_stages, lower_program
-from .serialize import SerializationError, decode_graph, dump_graph, encode_graph, load_graph
-from .shapefacts import ShapeFacts
+from .serialize import dump_graph, load_graph
 
 log = logging.getLogger("fxrt")
 
@@ -154,7 +150,7 @@ class CompiledGraph:
             SerializationError: not an fxrt artifact, damaged, invalid, or made by another
                 fxrt/torch.
         """
-        with _gc_paused(), outside_inference_mode():
+        with gc_paused(), outside_inference_mode():
             graph, plan, records = load_graph(artifact)
             return cls._rebuilt(graph, plan, records, config or CompilerConfig())
 
@@ -183,7 +179,7 @@ class CompiledGraph:
         """The graph of :meth:`serialize_compile_artifacts` bytes, validated as a cache entry."""
         from .precompile import deserialize
 
-        with _gc_paused(), outside_inference_mode():
+        with gc_paused(), outside_inference_mode():
             return deserialize(data, cls._rebuilt)
 
     def graph_text(self) -> str:
@@ -198,222 +194,6 @@ class CompiledGraph:
 
 def _load_pickled(artifact: bytes) -> CompiledGraph:
     return CompiledGraph.load_artifacts(artifact)
-
-
-def cached_compile(
-    key_graph: Graph,
-    example_inputs: Sequence[Any] | None,
-    config: CompilerConfig,
-    build: Callable[[], CompiledGraph],
-    gm: torch.fx.GraphModule | None = None,
-    *,
-    level: str = "aten",
-    shapes: ShapeFacts | None = None,
-) -> CompiledGraph:
-    """``build()``, or the on-disk cache's entry for ``key_graph`` when there is one.
-
-    ``level`` says what ``key_graph`` is (:data:`fxrt.cache.LEVELS`). ``shapes``: the shape
-    environment of a graph with symbolic sizes; the key includes its facts, the entry the guards
-    ``build()`` added, and a hit adds them again (:mod:`fxrt.shapefacts`).
-
-    The key, the load and the store run outside any fake or dispatch mode (Dynamo calls backends
-    under its fake mode): constants are hashed and loaded as the real tensors they are. On a hit,
-    the graph's constants that were the caller's own (parameters, buffers) are the caller's
-    tensors of this process, and source lines in errors are this process's.
-    """
-    if not config.cache:
-        return build()
-    name = cache.graph_name(key_graph)
-    with _disable_current_modes():
-        try:
-            facts = shapes.key() if shapes is not None else None
-            key = cache.cache_key(
-                key_graph, example_inputs or (), config, level=level, shape_facts=facts
-            )
-        except cache.Unkeyable as e:
-            cache.stats["uncached"] += 1
-            log.debug("fxrt cache: not caching %s: %s", name, e)
-            key = None
-        store = cache.open_store(config) if key is not None else None
-        if store is not None:
-            t0 = time.perf_counter()
-            with _gc_paused(), outside_inference_mode():
-                hit = _load_entry(store, key, key_graph, config, shapes)
-            seconds = time.perf_counter() - t0
-    if store is None:  # build() runs in the caller's modes (Dynamo's fake mode)
-        return build()
-    if hit is not None:
-        cache.stats["hit"] += 1
-        log.info(
-            "fxrt cache: hit %s %s, key %s, loaded in %.1f ms",
-            name, cache.LEVELS[level], key[:16], seconds * 1e3,
-        )  # fmt: skip
-        if config.dump_dir:
-            _dump_hit(config.dump_dir, gm, hit, store.entry_path(key))
-        return hit
-    cache.stats["miss"] += 1
-    log.info("fxrt cache: miss %s %s, key %s", name, cache.LEVELS[level], key[:16])
-    # What the entry refers to, taken before build(), whose passes may edit ``key_graph``.
-    caller = list(key_graph.constants.values())
-    traces = [n.stack_trace for n in key_graph.nodes]
-    guards: list[str] = []
-    if shapes is None:
-        cg = build()
-    else:
-        try:
-            with shapes.recording(guards):
-                cg = build()
-        except cache.Unkeyable as e:  # raised once build() returned: compiled, not stored
-            log.debug("fxrt cache: not storing %s: %s", name, e)
-            cache.stats["uncached"] += 1
-            return cg
-    with _disable_current_modes():
-        _store_entry(store, key, caller, traces, cg, name, level, guards)
-    return cg
-
-
-@contextlib.contextmanager
-def outside_inference_mode() -> Iterator[None]:
-    """Tensors made here are ordinary tensors even when compiling under ``torch.inference_mode``
-    (the numbers binding turns into tensors, constants loaded or folded): the graph is also called
-    outside it, where autograd refuses to save an inference tensor for backward. Grad mode stays
-    what it was (leaving inference mode alone would turn it on)."""
-    if not torch.is_inference_mode_enabled():
-        yield
-        return
-    grad = torch.is_grad_enabled()  # read before: leaving inference mode turns grad mode on
-    with torch.inference_mode(False), torch.set_grad_enabled(grad):
-        yield
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No garbage collection while an entry is rebuilt: it allocates thousands of small objects,
-    and in a process that holds Dynamo's state a full collection they trigger costs far more than
-    the rebuild itself (measured: 200 ms of a 260 ms warm load of 8 decoder blocks)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _load_entry(
-    store: cache.Store,
-    key: str,
-    key_graph: Graph,
-    config: CompilerConfig,
-    shapes: ShapeFacts | None,
-) -> CompiledGraph | None:
-    found = store.read(key)
-    if found is None:
-        return None
-    data, record = found
-    path = store.entry_path(key)
-    try:
-        if record.get("sha256") != content_hash(data):
-            raise SerializationError("content does not match the index's SHA-256")
-        try:
-            doc, _ = unpack(data)
-        except ArtifactError as e:
-            raise SerializationError(str(e)) from None
-
-        def fetch(_name: str, r: TensorRecord) -> torch.Tensor:
-            try:
-                return decode_tensor(r, store.read_blob(r.sha256))
-            except OSError as e:
-                raise SerializationError(f"tensor bytes missing: {e}") from None
-
-        guards = doc.pop("shape_guards", []) if isinstance(doc, dict) else []
-        if shapes is None and guards != []:
-            raise SerializationError("shape guards in an entry of a graph without symbolic sizes")
-        if shapes is not None and not shapes.admits(guards):
-            # Valid, but for other sizes: this trace would take other branches. A miss.
-            log.debug("fxrt cache: entry %s is for other sizes (a shape guard is false)", key[:16])
-            return None
-        caller = list(key_graph.constants.values())
-        graph, plan, records, traces = decode_graph(doc, fetch, caller)
-        for node, i in zip(graph.nodes, traces):
-            if i is not None and i < len(key_graph.nodes):
-                node.stack_trace = key_graph.nodes[i].stack_trace  # this process's source line
-        cg = CompiledGraph._rebuilt(graph, plan, records, config)
-        if shapes is not None:
-            shapes.replay(guards)  # as the trace would have: Dynamo's guards include them
-    except Exception as e:  # whatever is wrong with an entry, a cache never fails a compile
-        cache.stats["rejected"] += 1
-        warnings.warn(
-            f"fxrt cache: ignoring unusable entry {path} ({type(e).__name__}: {e}); removed it "
-            "and compiling again",
-            stacklevel=4,
-        )
-        with contextlib.suppress(OSError):
-            store.remove(key)
-        return None
-    with contextlib.suppress(OSError):  # a read-only cache still serves hits
-        store.touch(key)
-    return cg
-
-
-def _store_entry(
-    store: cache.Store,
-    key: str,
-    caller: list[Any],
-    caller_traces: list[str | None],
-    cg: CompiledGraph,
-    name: str,
-    level: str,
-    guards: list[str],
-) -> None:
-    first_with: dict[str, int] = {}
-    for i, trace in enumerate(caller_traces):
-        if trace:
-            first_with.setdefault(trace, i)
-    traces = [first_with.get(n.stack_trace) if n.stack_trace else None for n in cg.graph.nodes]
-    try:
-        doc, tensors = encode_graph(cg.graph, cg.pass_records, caller, traces, check_exprs=True)
-        if guards:
-            doc["shape_guards"] = guards
-        data = pack(doc, tensors, inline=False)
-    except SerializationError as e:
-        cache.stats["uncached"] += 1  # e.g. a higher-order op: compiled, just not stored
-        log.debug("fxrt cache: not storing %s: %s", name, e)
-        return
-    except Exception as e:  # a store never fails a compile: the graph works, only uncached
-        cache.stats["uncached"] += 1
-        warnings.warn(
-            f"fxrt cache: {name} compiled but not stored ({type(e).__name__}: {e}); it will be "
-            "compiled again next time. Please report this.",
-            stacklevel=4,
-        )
-        return
-    record = {
-        "name": name,
-        "level": level,
-        "ops": len(cg.graph.nodes),
-        "versions": doc["versions"],
-        "sha256": content_hash(data),
-    }
-    try:
-        store.write(key, data, {r.sha256: r.payload or b"" for r in tensors.values()}, record)
-    except OSError as e:
-        warnings.warn(f"fxrt cache: cannot store {name} in {store.root} ({e})", stacklevel=4)
-        return
-    cache.stats["stored"] += 1
-    log.info("fxrt cache: stored %s key %s (%d bytes)", name, key[:16], len(data))
-
-
-def _dump_hit(root: str, gm: torch.fx.GraphModule | None, cg: CompiledGraph, entry: Any) -> None:
-    dump = Dumper(root)
-    if gm is not None:
-        dump.fx("input_fx.txt", gm)
-    dump.write(
-        "cache_hit.txt",
-        f"loaded from the compile cache entry {entry}; the files of each pass were written "
-        "by the process that compiled it",
-    )
-    dump.final(cg.graph, cg.program)
 
 
 def _region_graph(graph: Graph, config: CompilerConfig, capture: bool) -> CompiledGraph:
@@ -471,7 +251,7 @@ def _compile_cached(
             graph_seconds=seconds,
         )
 
-    return cached_compile(graph, example_inputs, config, build, gm)
+    return cached_compile(graph, example_inputs, config, build, gm, rebuild=CompiledGraph._rebuilt)
 
 
 def _compile(
@@ -489,7 +269,7 @@ def _compile(
     graph's constants are its own (tensor literals Dynamo or AOTAutograd made; the model's
     weights are graph inputs there), so constant folding may fold them. Else only
     ``config.freeze`` lets it fold them."""
-    cache.stats["compiled"] += 1
+    cache_stats["compiled"] += 1
     with outside_inference_mode():  # what folding makes serves calls outside it too
         c = compile_stages(
             gm,

@@ -50,6 +50,10 @@ def compiled_loop_problem(info: dict[str, Any], skipped_on_purpose: bool) -> str
 
 
 def pytest_sessionstart(session) -> None:
+    # ``make test`` runs two workers (pytest-xdist) on this project's two cores: each worker keeps
+    # to one intra-op thread, or the two processes' thread pools contend for both cores.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
     problem = compiled_loop_problem(fxrt.runtime_info(), build_ext_skipped())
     if problem:
         pytest.exit(

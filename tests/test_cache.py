@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
 from fxrt import cache
-from fxrt.cachestore import Store
+from fxrt.cache.store import Store
 from fxrt.models import MLP, DecoderBlock
 from fxrt.serialize import SerializationError
 
@@ -269,7 +269,7 @@ def test_source_hash_follows_content():
     """Touching a file changes nothing; the hash is of content, not of times."""
     before = cache.source_hash()
     cache.source_hash.cache_clear()
-    path = os.path.join(os.path.dirname(cache.__file__), "errors.py")
+    path = os.path.join(os.path.dirname(fxrt.__file__), "errors.py")
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
@@ -549,12 +549,12 @@ def test_a_folded_stride_zero_constant_is_stored_and_hits(tmp_path, executor):
 
 
 def test_a_store_that_fails_warns_and_the_graph_still_works(tmp_path, monkeypatch):
-    import fxrt.compiler
+    import fxrt.cache.lookup
 
     def broken(*args, **kwargs):
         raise RuntimeError("cannot encode this")
 
-    monkeypatch.setattr(fxrt.compiler, "encode_graph", broken)
+    monkeypatch.setattr(fxrt.cache.lookup, "encode_graph", broken)
     x = torch.randn(4, 3)
     gm = make_fx(lambda x: (x.cos() + 1).sum(0))(x)
     with pytest.warns(UserWarning, match="not stored.*cannot encode this"):

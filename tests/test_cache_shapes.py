@@ -146,7 +146,7 @@ def _forge_guards(tmp_path, guards) -> None:
     import json
 
     from fxrt.artifact import MAGIC, unpack
-    from fxrt.cachestore import Store
+    from fxrt.cache.store import Store
 
     store = Store(tmp_path)
     (key,) = store.index()

@@ -81,16 +81,44 @@ def test_no_import_cycles():
             visit(m)
 
 
-def test_passes_import_nothing_from_exec():
+def _crossings(importers: tuple[str, ...], imported: tuple[str, ...]) -> list[tuple[str, str]]:
     graph = _imports()
-    bad = {
+    return sorted(
         (m, t)
         for m, targets in graph.items()
-        if m.startswith("fxrt.passes")
+        if _within(m, importers)
         for t in targets
-        if t.startswith("fxrt.exec")
-    }
-    assert not bad, sorted(bad)
+        if _within(t, imported)
+    )
+
+
+def test_passes_import_nothing_from_exec():
+    assert not _crossings(("fxrt.passes",), ("fxrt.exec",))
+
+
+def test_exec_reads_facts_not_passes():
+    """The planner and the executors read the IR's facts (fxrt.analysis), never a pass; the facts
+    import neither side."""
+    assert not _crossings(("fxrt.exec",), ("fxrt.passes", "fxrt.pipeline"))
+    assert not _crossings(("fxrt.analysis",), ("fxrt.passes", "fxrt.exec", "fxrt.pipeline"))
+
+
+def test_the_cache_is_one_package():
+    """Keys, store and the lookup around a compile live in fxrt.cache; the store (what
+    ``python -m fxrt cache list`` reads) imports nothing else of fxrt, and the cache does not
+    import the compiler (it is handed the constructor)."""
+    modules = _modules()
+    assert "fxrt.cachestore" not in modules
+    assert {"fxrt.cache.keys", "fxrt.cache.store", "fxrt.cache.lookup"} <= set(modules)
+    assert not _imports()["fxrt.cache.store"]
+    assert not _crossings(("fxrt.cache",), ("fxrt.compiler", "fxrt.backend"))
+    assert not [
+        m
+        for m in modules
+        if m.startswith("fxrt.")
+        and "cache" not in m
+        and "def cached_compile" in modules[m].read_text()
+    ]
 
 
 def _imported_on_import(path: Path) -> set[str]:

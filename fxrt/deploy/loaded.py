@@ -59,10 +59,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..compiler import CompiledGraph, _gc_paused
+from ..compiler import CompiledGraph
 from ..config import CompilerConfig
 from ..exec.inputs import InputError
 from ..ir.graph import OpKind
+from ..modes import gc_paused
 from ..pipeline import lower_program
 from ..serialize import FORMAT as GRAPH_FORMAT
 from ..serialize import SerializationError, decode_graph, resolve_op
@@ -130,7 +131,7 @@ def load(
     else:
         raw = package.read_path(path, verify_weights=verify_weights)
         where = os.fspath(path)
-    with _gc_paused():
+    with gc_paused():
         try:
             return _build(raw, where, device, dict(options or {}))
         except PackageError:

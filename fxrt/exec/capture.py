@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..analysis.streams import has_stream_ops
 from ..ir.graph import Graph
-from ..passes.streams import has_stream_ops
 from .capturable import RegionRunner, mutated_inputs, node_blockers, split_regions
 from .capture_report import CaptureReport, SignatureReport, copy_report
 from .device_graphs import GraphAPI, graph_api

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from ..analysis.streams import has_stream_ops
 from ..ir.graph import Graph, ValueKind, refs_in
 from ..ops.aliasing import alias_sets, is_collective
-from ..passes.streams import has_stream_ops
 from .streams import free_points
 
 

@@ -7,7 +7,7 @@ wait, and the side streams join the caller's at the end. Here:
 * **Frees** (:func:`free_points`). A buffer used on one stream is freed after its last use, as
   without streams. One used on several is freed on the stream that made it (whose pool its
   memory returns to, on a device's caching allocator), at the first node of that stream ordered
-  after every use on the others (vector clocks, :func:`fxrt.passes.streams.stream_clocks`); when
+  after every use on the others (vector clocks, :func:`fxrt.analysis.streams.stream_clocks`); when
   there is none, at the graph's end, after the final join. Never earlier than every use.
 * **Arena** (:func:`shared_values`). The arena reuses bytes between values whose node intervals
   do not overlap, which only orders them on one stream. A value a side stream touches gets no
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ..analysis.streams import MAIN, has_stream_ops, node_streams, stream_clocks
 from ..ir.graph import Graph, ValueKind, refs_in
 from ..ops import streams as ops
-from ..passes.streams import MAIN, has_stream_ops, node_streams, stream_clocks
 
 
 @dataclass(frozen=True)

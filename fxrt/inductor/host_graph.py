@@ -41,7 +41,7 @@ Why fxrt's passes and lifetime plan are safe on this graph: Inductor's kernels r
 write some of their tensor arguments (``out_ptr`` buffers allocated earlier by ``empty_strided``,
 or graph inputs mutated in place). fxrt treats every node whose target is not an ATen op (a
 kernel's call, KERNEL or PYCALL alike) as writing all of its arguments
-(:func:`fxrt.passes.analysis.written_values`) and as having side effects, so no pass
+(:func:`fxrt.analysis.values.written_values`) and as having side effects, so no pass
 drops, merges or folds anything a kernel touches. Liveness counts a kernel's arguments as uses of
 their whole alias sets (a view shares its base's lifetime), so a buffer's FREE never comes before a
 kernel that reads or writes it, through any view. Inductor's own memory planning shows up in the

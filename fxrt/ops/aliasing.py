@@ -10,7 +10,7 @@ Per graph (:func:`alias_sets`): a union-find over value ids. A node output joins
 input it may alias, and constants that share a storage (a folded view and its base) share a set,
 so a base and all of its views form one set. Each set is named by its smallest value id, whatever
 the order of the unions. An output that aliases none of its node's inputs is a *fresh* storage.
-The lifetime planner (:mod:`fxrt.exec.plan`) and the passes (:mod:`fxrt.passes.analysis`) both
+The lifetime planner (:mod:`fxrt.exec.plan`) and the passes (:mod:`fxrt.analysis.values`) both
 read the sets from here: an analysis of the IR, computed once per pass or plan.
 """
 
@@ -45,7 +45,7 @@ UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view", "inductor::_reinterpret_ten
 # ``wait_tensor`` on that output, and ``wait_tensor`` returns its argument itself. For liveness,
 # a collective's output joins the alias set of its tensor inputs, and a wait's result joins its
 # argument's set: no FREE of any of them comes before the wait (or the waited result's last use).
-# Passes also treat these ops as side-effecting (see ``fxrt.passes.analysis``).
+# Passes also treat these ops as side-effecting (see ``fxrt.analysis.values``).
 COLLECTIVE_NAMESPACES = ("_c10d_functional::", "_dtensor::")
 WAIT_OPS = frozenset({"_c10d_functional::wait_tensor"})
 

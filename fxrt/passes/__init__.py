@@ -9,7 +9,7 @@ verification, whether the graph's text changed); a pass that raises fails the co
 :class:`PassError` naming it.
 User passes (TorchAir's interface, on FX) are :mod:`fxrt.passes.user`.
 
-The analyses passes share (alias sets, purity, writes) are :mod:`fxrt.passes.analysis`, on top of
+The analyses passes share (alias sets, purity, writes) are :mod:`fxrt.analysis.values`, on top of
 :mod:`fxrt.ops.aliasing`: passes are functions of the IR; nothing here imports the planner,
 the arena or the lowering.
 """

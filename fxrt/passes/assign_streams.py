@@ -30,8 +30,8 @@ from __future__ import annotations
 import heapq
 import math
 
+from ..analysis.values import alias_roots, is_pure, written_values
 from ..ir.graph import Graph, Node, OpKind
-from .analysis import alias_roots, is_pure, written_values
 from .streams import _Builder, has_stream_ops, synchronize_streams
 
 MIN_BRANCH_US = 40.0  # a chain below this runs on the caller's stream

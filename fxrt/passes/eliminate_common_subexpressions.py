@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..ir.graph import Graph, substitute_refs
-from .analysis import (
+from ..analysis.values import (
     alias_roots,
     is_pure,
     mutated_alias_roots,
     output_alias_roots,
     replace_uses,
 )
+from ..ir.graph import Graph, substitute_refs
 
 
 def _key(x: Any) -> Any:

@@ -7,8 +7,8 @@ Python fallbacks (opaque).
 
 from __future__ import annotations
 
+from ..analysis.values import has_side_effects
 from ..ir.graph import Graph, refs_in
-from .analysis import has_side_effects
 
 
 def eliminate_dead_code(graph: Graph) -> Graph:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from ..analysis.values import alias_roots, is_pure, mutated_alias_roots, output_alias_roots
 from ..ir.from_fx import tensor_meta
 from ..ir.graph import Graph, ValueKind, map_refs
-from .analysis import alias_roots, is_pure, mutated_alias_roots, output_alias_roots
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
+from ..analysis.values import alias_roots, replace_uses, unique_name, written_values
 from ..ir.from_fx import tensor_meta
 from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind
-from .analysis import alias_roots, replace_uses, unique_name, written_values
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape"})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..analysis.values import alias_roots, replace_uses, unique_name, written_values
 from ..ir.graph import Graph, Node, Op, Ref, ValueKind, refs_in
 from ..patterns import (
     PREFIX,
@@ -36,7 +37,6 @@ from ..patterns import (
     registered_patterns,
     target_device,
 )
-from .analysis import alias_roots, replace_uses, unique_name, written_values
 
 
 def fuse_patterns(graph: Graph, disabled: Iterable[str] = (), own_ops: bool = True) -> Graph:

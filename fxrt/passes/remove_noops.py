@@ -15,8 +15,8 @@ caller must get a new tensor or view, as in eager, never the input itself.
 
 from __future__ import annotations
 
+from ..analysis.values import alias_roots, mutated_alias_roots, output_alias_roots, replace_uses
 from ..ir.graph import Graph
-from .analysis import alias_roots, mutated_alias_roots, output_alias_roots, replace_uses
 
 VIEW_NOOPS = frozenset(
     {

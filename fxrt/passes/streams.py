@@ -1,11 +1,8 @@
-"""Streams in the IR: which stream each node runs on, and the happens-before verifier that
-inserts the record/wait pairs a graph is missing.
+"""The happens-before verifier that inserts the record/wait pairs a multi-stream graph is
+missing, and the pass that removes the stream ops (``streams="off"``).
 
-**Assignment** (:func:`node_streams`). Stream 0 is the caller's stream. Scopes
-(``scope_enter``/``scope_exit``, :mod:`fxrt.ops.streams`) nest; a node runs on the stream of the
-innermost open scope; a ``scope_enter`` is on the stream it opens, a ``scope_exit`` on the one it
-returns to (what runs after each). A label names the same
-stream throughout the graph; a ``scope_enter`` without a label keeps the current stream.
+Which stream each node runs on is a fact of the IR (:func:`fxrt.analysis.streams.node_streams`,
+with the assignment rules), read here as by the planner and the executors.
 
 **Happens-before** (:func:`synchronize_streams`). Program order is one valid schedule; on
 several streams, a node is ordered after another on its own stream that precedes it, and after a
@@ -25,83 +22,31 @@ caller's stream at the end of the graph (``record`` on it, ``wait`` on stream 0)
 complete and every buffer's uses are done when the call returns. A graph without stream ops is
 returned unchanged; one whose ops all run on stream 0 needs nothing either.
 
-Only :func:`fxrt.passes.analysis` facts are used: passes never import the executors.
+Only :mod:`fxrt.analysis` facts are used: passes never import the executors.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..analysis.streams import (
+    MAIN,
+    StreamError,
+    Streams,
+    has_stream_ops,
+    node_streams,
+    stream_clocks,
+)
+from ..analysis.values import alias_roots, unique_name, written_values
 from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind, refs_in
 from ..ops import streams as ops
-from .analysis import alias_roots, unique_name, written_values
 
 log = logging.getLogger("fxrt.streams")
 
-MAIN = 0  # the caller's stream
-
 _TOKEN_META = TensorMeta((0,), (1,), torch.float32, "cpu", 0)
-
-
-class StreamError(ValueError):
-    """A multi-stream graph that is not ordered (``strict_streams``) or whose scopes do not
-    nest."""
-
-
-@dataclass(frozen=True)
-class Streams:
-    """The stream of every node: ``labels[s]`` names stream ``s`` (``labels[0]`` is None, the
-    caller's stream); ``of[i]`` is node ``i``'s."""
-
-    labels: tuple[str | None, ...]
-    of: tuple[int, ...]
-
-    @property
-    def multi(self) -> bool:
-        return any(s != MAIN for s in self.of)
-
-
-def has_stream_ops(graph: Graph) -> bool:
-    return any(ops.is_stream_op(n.op.name) for n in graph.nodes)
-
-
-def _label(node: Node) -> str | None:
-    keys = node.args[0] if node.args else node.kwargs.get("keys", ())
-    values = node.args[1] if len(node.args) > 1 else node.kwargs.get("values", ())
-    return ops.stream_label(keys, values)
-
-
-def node_streams(graph: Graph) -> Streams:
-    """The stream of every node (see the module docstring).
-
-    Raises:
-        StreamError: a ``scope_exit`` closes no scope.
-    """
-    labels: list[str | None] = [None]
-    index: dict[str, int] = {}
-    stack = [MAIN]
-    of: list[int] = []
-    for node in graph.nodes:
-        name = node.op.name
-        if name in ops.SCOPE_ENTER:
-            label = _label(node)
-            s = stack[-1] if label is None else index.setdefault(label, len(labels))
-            if s == len(labels):
-                labels.append(label)
-            stack.append(s)
-            of.append(s)
-        elif name in ops.SCOPE_EXIT:
-            if len(stack) == 1:
-                raise StreamError(f"{node.name}: scope_exit without a matching scope_enter")
-            stack.pop()
-            of.append(stack[-1])
-        else:
-            of.append(stack[-1])
-    return Streams(tuple(labels), tuple(of))
 
 
 class _Builder:
@@ -276,29 +221,6 @@ __all__ = [
     "stream_clocks",
     "synchronize_streams",
 ]
-
-
-def stream_clocks(graph: Graph, streams: Streams) -> tuple[list[int], list[tuple[int, ...]]]:
-    """For a graph whose streams are ordered by its records and waits: per node, its position
-    on its stream (1-based) and its stream's vector clock once it ran (``clock[t]``: how many
-    nodes of stream ``t`` are known to have run)."""
-    n_streams = len(streams.labels)
-    clock = [[0] * n_streams for _ in range(n_streams)]
-    event_clock: dict[int, tuple[int, ...]] = {}
-    seq, after = [0] * len(graph.nodes), [()] * len(graph.nodes)
-    for i, node in enumerate(graph.nodes):
-        s = streams.of[i]
-        if node.op.name in ops.WAIT:
-            for ev in refs_in((node.args, node.kwargs)):
-                if ev in event_clock:
-                    clock[s] = [max(a, c) for a, c in zip(clock[s], event_clock[ev])]
-        clock[s][s] += 1
-        seq[i] = clock[s][s]
-        after[i] = tuple(clock[s])
-        if node.op.name in ops.RECORD:
-            for ev in node.outputs:
-                event_clock[ev] = after[i]
-    return seq, after
 
 
 def remove_streams(graph: Graph) -> Graph:

@@ -18,7 +18,7 @@ Fingerprints and the source hash are :mod:`fxrt.fingerprint`'s. What cannot be f
 object of unknown type in a closure, a module-level object a function reads) makes the graph
 uncached: it is compiled every time, and the ``fxrt`` logger says why at debug level. Keys never
 use ``id()``. Keys are computed outside any fake or dispatch mode. Entries are stored by
-:mod:`fxrt.cachestore`, in the format of :mod:`fxrt.serialize`.
+:mod:`fxrt.cache.store`, in the format of :mod:`fxrt.serialize`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from .artifact import MAGIC
-from .cachestore import SUFFIX, Store, cache_dir, default_dir  # noqa: F401 (re-exported)
-from .fingerprint import Unkeyable, fingerprint, is_trusted, source_hash  # noqa: F401 (re-exported)
-from .ir.graph import OpKind
-from .ir.printer import graph_to_text
-from .ops.overrides import registry_fingerprint
-from .ops.own_ops import available as own_ops_available
-from .patterns import registry_fingerprint as pattern_fingerprint
-from .serialize import FORMAT, versions
+from ..artifact import MAGIC
+from ..fingerprint import Unkeyable, fingerprint, is_trusted, source_hash  # noqa: F401 (re-exported)
+from ..ir.graph import OpKind
+from ..ir.printer import graph_to_text
+from ..ops.overrides import registry_fingerprint
+from ..ops.own_ops import available as own_ops_available
+from ..patterns import registry_fingerprint as pattern_fingerprint
+from ..serialize import FORMAT, versions
+from .store import Store, cache_dir
 
 # What an entry's key was computed on. "dynamo": the graph Dynamo hands over, before fxrt traces
 # it to ATen (a hit skips the trace); "aten": an ATen graph as handed over (AOTAutograd's
