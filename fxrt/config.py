@@ -145,6 +145,8 @@ class CompilerConfig:
             equivalent) that the captures use, to share memory across compiled graphs. Default:
             one pool per compiled graph.
         force_eager: with capture on, never capture (run the loop; the report says so).
+        inductor_host_graph: the graph is Inductor's FX host graph (Inductor + fxrt sets it): the
+            pipeline starts with its rewrites (:mod:`fxrt.passes.host_graph`).
         mode: the ``torch.compile`` mode. fxrt accepts every mode torch.compile knows;
             ``"reduce-overhead"`` turns ``capture`` on, and every other mode compiles and runs
             exactly what ``"default"`` does.
@@ -178,6 +180,7 @@ class CompilerConfig:
     use_graph_pool: Any = None
     force_eager: bool = False
     mode: str = "default"
+    inductor_host_graph: bool = False
     native_kernels: InitVar[bool | None] = None  # deprecated: own_ops
 
     def __post_init__(self, native_kernels: bool | None) -> None:

@@ -4,6 +4,9 @@
 
     stage                          reads -> makes      module
     [post_grad_custom_pre_pass]    FX -> FX            the user's pre pass (fxrt.passes.user)
+    [rewrite_to_native, use_functional_variants, simplify_views, use_reinterpret_views]
+                                   FX -> FX            Inductor's host graph, inductor_host_graph
+                                                       (fxrt.passes.host_graph)
     from_fx                        FX -> IR            fxrt.ir.from_fx
     apply_kernel_overrides         IR -> IR            fxrt.register_kernel (fxrt.ops.overrides)
     <config.pass_names()>          IR -> IR            the built-in passes, one stage each
@@ -17,11 +20,13 @@
 
 The order has reasons. The user's pre pass edits the FX graph it is handed, so it runs before the
 conversion, and the conversion runs once, on what the pass left (a graph converted before it, for
-the cache key, is dropped). Overrides come right after the conversion, so that the passes see the
-ops that will run. The FX round trip happens only around the user's post pass, which needs FX.
-fxrt's own ops come last among the rewrites: user passes see ATen ops, and a node a user
-overrode no longer has the ATen op the rewrite looks for, so the user's override wins. Streams
-are ordered last, on the graph that will run: a rewrite may move a use to another stream.
+the cache key, is dropped). Inductor's host-graph rewrites come next: they turn its Python-level
+calls into ATen ops before anything reads the ops. Overrides come right after the conversion, so
+that the passes see the ops that will run. The FX round trip happens only around the user's
+post pass, which needs FX. fxrt's own ops come last among the rewrites: user passes see ATen
+ops, and a node a user overrode no longer has the ATen op the rewrite looks for, so the user's
+override wins. Streams are ordered last, on the graph that will run: a rewrite may move a use to
+another stream.
 
 The manager, :func:`run_stage`, does the same for every stage:
 
@@ -80,6 +85,7 @@ from .passes import (
 )
 from .passes.assign_streams import assign_streams
 from .passes.fuse_attention import FUSED_ATTENTION
+from .passes.host_graph import REWRITES as HOST_GRAPH_REWRITES
 from .passes.streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
 
@@ -138,6 +144,13 @@ def _user_pre_pass(c: Compilation) -> None:
     fn = c.config.post_grad_custom_pre_pass
     c.gm = run_user_pass(fn, "post_grad_custom_pre_pass", c.gm, c.example_inputs, c.config)
     c.graph = None  # converted from the FX graph before the pass changed it
+
+
+def _host_graph_rewrite(fn: Callable[[torch.fx.GraphModule], int]) -> Stage:
+    def run(c: Compilation) -> None:
+        fn(c.gm)
+
+    return Stage(fn.__name__, "fx", run, when=lambda config: config.inductor_host_graph, dumps="fx")
 
 
 def _from_fx(c: Compilation) -> None:
@@ -229,6 +242,7 @@ PIPELINE: tuple[Stage, ...] = (
         dumps="fx",
         dump_name="after_pre_pass_fx.txt",
     ),
+    *(_host_graph_rewrite(fn) for fn in HOST_GRAPH_REWRITES),
     Stage("from_fx", "ir", _from_fx),
     Stage("apply_kernel_overrides", "graph", _apply_kernel_overrides),
     Stage("passes", "graph", _expanded, expand=_builtin_passes),

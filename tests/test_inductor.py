@@ -384,6 +384,35 @@ def test_loops_agree_on_the_same_program():
         torch.testing.assert_close(python_result[0].reshape(want.shape), want)
 
 
+def test_host_graph_rewrites_are_pipeline_stages(tmp_path):
+    """Inductor's four host-graph rewrites run as declared stages of the pipeline: recorded,
+    timed, in order before the conversion, and dumped like every other stage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    before = {id(cg) for cg in compiled_host_graphs()}
+    config = fxrt.CompilerConfig(dump_dir=str(tmp_path))
+    with registered(config), torch.inference_mode():
+        fn = torch.compile(fresh_entry(model, "stages"))
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(fn(x), model(x))
+    (cg,) = [g for g in compiled_host_graphs() if id(g) not in before]
+    names = [r.name for r in cg.stage_records]
+    rewrites = ["rewrite_to_native", "use_functional_variants", "simplify_views"]
+    rewrites.append("use_reinterpret_views")
+    assert names[: names.index("from_fx")] == rewrites
+    assert any(r.changed for r in cg.stage_records if r.name in rewrites)
+    dumped = {p.name for folder in tmp_path.iterdir() for p in folder.iterdir()}
+    for name in rewrites:
+        assert any(d.endswith(f"after_{name}.txt") for d in dumped), (name, sorted(dumped))
+    # An ordinary graph never runs them.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: x.sin() + 1)(torch.randn(3))
+    plain = fxrt.compile_graph(gm, [torch.randn(3)])
+    assert not set(rewrites) & {r.name for r in plain.stage_records}
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_dynamic_shapes_pass_sizes_to_kernels(executor):
     # With symbolic sizes, kernels take size arguments the host graph computes from its inputs.
@@ -544,7 +573,7 @@ def _fake_graph() -> tuple[torch.fx.Graph, Callable[..., torch.fx.Node]]:
 
 
 def test_out_calls_take_over_their_fresh_allocation():
-    from fxrt.inductor.host_graph import use_functional_variants
+    from fxrt.passes.host_graph import use_functional_variants
 
     aten = torch.ops.aten
     graph, add = _fake_graph()
@@ -573,7 +602,7 @@ def test_out_calls_take_over_their_fresh_allocation():
 
 
 def test_views_the_host_graph_does_not_need_are_dropped():
-    from fxrt.inductor.host_graph import simplify_views
+    from fxrt.passes.host_graph import simplify_views
 
     aten = torch.ops.aten
     graph, add = _fake_graph()
@@ -612,7 +641,7 @@ def test_views_the_host_graph_does_not_need_are_dropped():
 def test_views_become_reinterpret_tensor_with_relative_offsets(executor):
     from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
 
-    from fxrt.inductor.host_graph import use_reinterpret_views
+    from fxrt.passes.host_graph import use_reinterpret_views
 
     skip_unless_executor(executor)
     aten = torch.ops.aten

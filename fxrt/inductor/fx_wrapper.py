@@ -204,7 +204,8 @@ class HostGraphConverter(FxConverter):
         node.meta["fxrt_kernel"] = name
         if name in self.cpp_kernels and line.arg_types and len(line.arg_types) == len(args):
             # A C++ kernel reads only the data pointer of a tensor passed for a ``T*``
-            # parameter, never its sizes or strides (host_graph.simplify_views relies on it).
+            # parameter, never its sizes or strides (fxrt.passes.host_graph.simplify_views relies
+            # on it).
             node.meta["fxrt_pointer_args"] = tuple(
                 i for i, t in enumerate(line.arg_types) if str(t).rstrip().endswith("*")
             )
