@@ -37,8 +37,9 @@ format: $(VENV)/.deps
 	$(VENV)/bin/ruff format fxrt tests benchmarks examples
 	$(VENV)/bin/ruff check --fix fxrt tests benchmarks examples
 
+# PYTEST_FLAGS: extra pytest flags, e.g. `make test PYTEST_FLAGS=--durations=40`.
 test: $(VENV)/.fxrt lint
-	$(PY) -m pytest -q -x -p no:cacheprovider tests
+	$(PY) -m pytest -q -x -p no:cacheprovider $(PYTEST_FLAGS) tests
 
 # The full OpInfo sweep over both loops (slow): see README.
 sweep: $(VENV)/.fxrt

@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,7 +38,6 @@ from ..ops.c_kernels import INT, POINTER
 from .inputs import InputError, InputSpec, check_inputs
 from .program import (
     SYM_OPS,
-    Alloc,
     Call,
     Demotion,
     Free,
@@ -46,11 +46,7 @@ from .program import (
     OutCall,
     Program,
     PyCall,
-    Record,
-    Stream,
-    SymStep,
     View,
-    Wait,
 )
 
 # Release the GIL around native instructions, as torch.ops does around every op. Measured on the
@@ -219,57 +215,7 @@ class NativeLoop(_Executor):
 
     def _add(self, ins: Instr) -> str | None:
         """Add ``ins`` to the executor; None when added, else why it cannot be bound."""
-        if isinstance(ins, Free):
-            self.add_free(list(ins.regs))
-            return None
-        if isinstance(ins, Record):
-            self.add_record(ins.stream, ins.event)
-            return None
-        if isinstance(ins, Wait):
-            self.add_wait(ins.stream, list(ins.events), list(ins.protect))
-            return None
-        if isinstance(ins, Stream):
-            self.add_stream(ins.stream)
-            return None
-        if isinstance(ins, PyCall):
-            self.add_pycall(
-                ins.target, tuple(ins.args), dict(ins.kwargs), list(ins.outputs), ins.multi
-            )
-            return None
-        if isinstance(ins, Kernel):
-            kinds = [_KERNEL_PARAMS[p] for p in ins.target.params]
-            return self.add_kernel(
-                ins.target, tuple(ins.args), ins.target.address, kinds, ins.outputs[0]
-            )
-        if isinstance(ins, SymStep):
-            return self.add_sym(ins.target, _SYM_KINDS[ins.op], tuple(ins.args), ins.outputs[0])
-        schema = ins.target._schema
-        plain = (
-            ins.target._op,
-            str(schema.name),
-            schema.overload_name,
-            tuple(ins.args),
-            dict(ins.kwargs),
-            list(ins.outputs),
-        )
-        if isinstance(ins, OutCall):
-            out = ins.out_target._schema
-            return self.add_out(
-                plain,
-                ins.slot,
-                str(out.name),
-                out.overload_name,
-                tuple(ins.out_args),
-                dict(ins.out_kwargs),
-            )
-        if isinstance(ins, Alloc):
-            return self.add_alloc(plain, ins.slot, ins.cpu)
-        if isinstance(ins, View):
-            kind = _VIEW_KINDS[ins.view]
-            return self.add_view(
-                plain, kind, ins.multi, ins.always, list(ins.ints), list(ins.strides), ins.offset
-            )
-        return self.add_call(plain, ins.multi)
+        return _BIND[ins.KIND](self, ins)
 
     def release_memory(self) -> None:
         """Free the arenas kept between calls (calls running now keep theirs until they return)."""
@@ -292,6 +238,66 @@ class NativeLoop(_Executor):
 
     def _execution_error(self, pc: int, regs: list[Any], exc: BaseException) -> BaseException:
         return instruction_error(self.program, pc, regs, exc)
+
+
+# How each kind is added to the compiled loop's executor (its ``add_<kind>``): the binder returns
+# None when added, else why the instruction cannot be bound. One entry per kind of
+# fxrt.exec.instructions.KINDS (tests/test_kinds.py).
+
+
+def _plain(ins: Call) -> tuple[Any, ...]:
+    schema = ins.target._schema
+    return (
+        ins.target._op,
+        str(schema.name),
+        schema.overload_name,
+        tuple(ins.args),
+        dict(ins.kwargs),
+        list(ins.outputs),
+    )
+
+
+def _bind_out(ex: NativeLoop, ins: OutCall) -> str | None:
+    out = ins.out_target._schema
+    return ex.add_out(
+        _plain(ins),
+        ins.slot,
+        str(out.name),
+        out.overload_name,
+        tuple(ins.out_args),
+        dict(ins.out_kwargs),
+    )
+
+
+def _bind_view(ex: NativeLoop, ins: View) -> str | None:
+    kind = _VIEW_KINDS[ins.view]
+    return ex.add_view(
+        _plain(ins), kind, ins.multi, ins.always, list(ins.ints), list(ins.strides), ins.offset
+    )
+
+
+def _bind_kernel(ex: NativeLoop, ins: Kernel) -> str | None:
+    kinds = [_KERNEL_PARAMS[p] for p in ins.target.params]
+    return ex.add_kernel(ins.target, tuple(ins.args), ins.target.address, kinds, ins.outputs[0])
+
+
+_BIND: dict[str, Callable[[NativeLoop, Any], str | None]] = {
+    "CALL": lambda ex, ins: ex.add_call(_plain(ins), ins.multi),
+    "OUT": _bind_out,
+    "ALLOC": lambda ex, ins: ex.add_alloc(_plain(ins), ins.slot, ins.cpu),
+    "VIEW": _bind_view,
+    "SYM": lambda ex, ins: ex.add_sym(
+        ins.target, _SYM_KINDS[ins.op], tuple(ins.args), ins.outputs[0]
+    ),
+    "KERNEL": _bind_kernel,
+    "PYCALL": lambda ex, ins: ex.add_pycall(
+        ins.target, tuple(ins.args), dict(ins.kwargs), list(ins.outputs), ins.multi
+    ),
+    "FREE": lambda ex, ins: ex.add_free(list(ins.regs)),
+    "STREAM": lambda ex, ins: ex.add_stream(ins.stream),
+    "RECORD": lambda ex, ins: ex.add_record(ins.stream, ins.event),
+    "WAIT": lambda ex, ins: ex.add_wait(ins.stream, list(ins.events), list(ins.protect)),
+}
 
 
 def _demoted(ins: Instr, why: str) -> Instr:

@@ -1,46 +1,16 @@
 """Lowering: ``(Graph, Plan, ArenaPlan) -> Program``, the flat form both loops execute.
 
 A Program is a tuple of instructions over a register file indexed by value id. :func:`lower`
-decides everything once, and each instruction says what it is:
-
-=======  ===========================================================================================
-CALL     :class:`Call`: an ATen op through the dispatcher (boxed, every schema argument bound).
-OUT      :class:`OutCall`: on calls with an arena, the result is arena slot ``slot`` and the op's
-         ``out=`` form writes it; on calls without one, the plain call. (Should an ``out=`` kernel
-         refuse the slot, the plain call runs and raises its own error, if any.)
-ALLOC    :class:`Alloc`: uninitialized memory. On calls with an arena, slot ``slot`` is the result
-         (no call). Otherwise, when ``cpu``: a constant CPU ``empty_strided`` made directly, as
-         its CPU kernel makes it; else the plain call.
-VIEW     :class:`View`: a view made inline (a new TensorImpl on the input's storage, geometry from
-         the constant arguments and the actual input), on every call (``reinterpret``, which
-         tracks no view even in eager's Inductor wrapper) or on calls with an arena (no autograd
-         to record it: :mod:`fxrt.exec.views`). The plain call when the input is not a plain
-         strided tensor or the view does not apply.
-SYM      :class:`SymStep`: scalar arithmetic on sizes (``operator.mul`` of a SymInt and an int),
-         computed natively on integers, in Python only for other operands.
-KERNEL   :class:`Kernel`: a compiled C function (:class:`fxrt.ops.c_kernels.CKernel`: one of
-         Inductor's C++ kernels), called by the compiled loop with its tensors' data pointers
-         and its integers; its Python binding in the Python loop.
-PYCALL   :class:`PyCall`: a Python callable (higher-order ops, Python functions), called inside
-         the same loop; ``reason`` says why it is one when the compiled loop demoted a CALL.
-FREE     :class:`Free`: release registers after their alias set's last use.
-STREAM   :class:`Stream`: the instructions that follow run on stream ``stream`` (a scope op).
-RECORD   :class:`Record`: event ``event`` marks how far the current stream has come.
-WAIT     :class:`Wait`: the current stream waits until each of ``events`` was reached.
-=======  ===========================================================================================
+decides everything once, and each instruction says what it is: CALL, OUT, ALLOC, VIEW, SYM,
+KERNEL, PYCALL, FREE, STREAM, RECORD or WAIT (:mod:`fxrt.exec.instructions`, which lists the kinds,
+what each means, and every place a kind must be known).
 
 STREAM, RECORD and WAIT come from the stream ops (:mod:`fxrt.ops.streams`, ordered by
 :mod:`fxrt.passes.streams`); :attr:`Program.streams` then says how many streams and events there
 are and on which device (:mod:`fxrt.exec.streams`). Program order is a valid schedule of a
 multi-stream program: the Python loop runs it so; the compiled loop runs each side stream on a
-worker thread (CPU) or on a device stream.
-
-Every kind but FREE carries the plain form (``target(*args, **kwargs)`` into ``outputs``), which
-is what a call runs when ``__torch_function__`` must see its ops and what errors name. The
-per-call guards (:mod:`fxrt.exec.guards`) are in :attr:`Program.guards`. Adding a kind means: its
-class and its line in :func:`lower` and :func:`program_to_text` here, its case in the Python loop
-(:mod:`fxrt.exec.interp`) and in the compiled loop (``fxrt/exec/native.py`` binds it,
-``fxrt/_speedups/loop.h`` runs it).
+worker thread (CPU) or on a device stream. The per-call guards (:mod:`fxrt.exec.guards`) are in
+:attr:`Program.guards`.
 
 If the compiled loop cannot bind an instruction (an op the dispatcher lacks, arguments its schema
 does not take), it demotes it (OUT/ALLOC/VIEW to CALL, CALL and KERNEL to PYCALL) and writes the
@@ -50,9 +20,8 @@ demotion back: its ``program`` is this Program with those instructions replaced,
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,175 +31,26 @@ from ..ops.c_kernels import INT, CKernel
 from .arena import ArenaPlan
 from .guards import CallGuards
 from .inputs import InputSpec, input_specs
+from .instructions import (
+    SYM_OPS,
+    Alloc,
+    Call,
+    Free,
+    Instr,
+    Kernel,
+    NodeInfo,
+    OutCall,
+    PyCall,
+    Record,
+    Step,
+    Stream,
+    SymStep,
+    View,
+    Wait,
+)
 from .plan import Plan
 from .streams import StreamStep, StreamTable, stream_table
 
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """What an error message says about the node an instruction came from."""
-
-    name: str
-    op: str
-    stack_trace: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """CALL: ``target(*args, **kwargs)`` through the dispatcher, into ``outputs``."""
-
-    KIND: ClassVar[str] = "CALL"
-    node: int  # index into Program.nodes
-    target: Any  # torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    outputs: tuple[int, ...]
-    multi: bool  # the op returns a sequence unpacked into ``outputs``
-    slot: int = -1  # the result's arena slot (OUT, ALLOC), -1 for none
-
-    def plain(self) -> Call:
-        """The same call as a plain CALL (what a demotion turns it into)."""
-        return Call(self.node, self.target, self.args, self.kwargs, self.outputs, self.multi)
-
-
-@dataclass(frozen=True, slots=True)
-class OutCall(Call):
-    """OUT: with an arena, ``out_target(*out_args, **out_kwargs)`` writes slot ``slot``; its
-    ``out`` kwarg reads the result register, which holds the slot's tensor by then."""
-
-    KIND: ClassVar[str] = "OUT"
-    out_target: Any = None
-    out_args: tuple[Any, ...] = ()
-    out_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Alloc(Call):
-    """ALLOC: the arena slot (``slot`` >= 0, calls with an arena), else a direct CPU
-    ``empty_strided`` (``cpu``), else the plain call."""
-
-    KIND: ClassVar[str] = "ALLOC"
-    cpu: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class View(Call):
-    """VIEW: ``view`` is ``view`` (``ints``: the sizes), ``permute`` (``ints``: the dims),
-    ``t``, ``transpose`` (``ints``: the two dims), ``split`` (``ints``: the split size and the
-    dim; one output per piece) or ``reinterpret`` (``ints``: sizes, ``strides``, ``offset``:
-    added to the input's). ``always``: on every call, else only on calls
-    with an arena."""
-
-    KIND: ClassVar[str] = "VIEW"
-    view: str = ""
-    ints: tuple[int, ...] = ()
-    strides: tuple[int, ...] = ()
-    offset: int = 0
-    always: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SymStep:
-    """SYM: ``outputs[0] = target(*args)``, scalar arithmetic named ``op`` (:data:`SYM_OPS`)."""
-
-    KIND: ClassVar[str] = "SYM"
-    node: int
-    target: Any  # the Python callable (operator.mul...)
-    op: str
-    args: tuple[Any, ...]
-    outputs: tuple[int, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)  # always empty
-    multi: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PyCall:
-    """PYCALL: a Python callable called inside the loop."""
-
-    KIND: ClassVar[str] = "PYCALL"
-    node: int
-    target: Any  # any Python callable
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    outputs: tuple[int, ...]
-    multi: bool
-    reason: str = ""  # why a CALL became one (a demotion), empty for the graph's own fallbacks
-
-
-@dataclass(frozen=True, slots=True)
-class Kernel:
-    """KERNEL: ``target`` (a :class:`~fxrt.ops.c_kernels.CKernel` with an address) called on its
-    arguments: registers (a tensor per pointer parameter, an int per integer one) and ints."""
-
-    KIND: ClassVar[str] = "KERNEL"
-    node: int
-    target: CKernel
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]  # always empty
-    outputs: tuple[int, ...]  # the node's None
-    multi: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Free:
-    KIND: ClassVar[str] = "FREE"
-    regs: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """STREAM: what follows runs on stream ``stream`` (0: the caller's)."""
-
-    KIND: ClassVar[str] = "STREAM"
-    node: int
-    target: Any  # the scope op
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    outputs: tuple[int, ...]
-    multi: bool
-    stream: int
-
-
-@dataclass(frozen=True, slots=True)
-class Record(Stream):
-    """RECORD: event ``event`` on stream ``stream`` (the current one)."""
-
-    KIND: ClassVar[str] = "RECORD"
-    event: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Wait(Stream):
-    """WAIT: stream ``stream`` waits for ``events``; ``protect``: registers made on other
-    streams that this stream reads after the wait (a device executor marks their memory as in
-    use on this stream, as ``record_stream`` does)."""
-
-    KIND: ClassVar[str] = "WAIT"
-    events: tuple[int, ...] = ()
-    protect: tuple[int, ...] = ()
-
-
-Instr = Union[Call, SymStep, Kernel, PyCall, Free, Stream]
-
-# SYM steps: Python callable -> the name both loops know. The compiled loop computes them on
-# int64 (Python's semantics: floor division and modulo round toward negative infinity; overflow,
-# division by zero and other operand types take the Python call).
-SYM_OPS: dict[Any, str] = {
-    operator.add: "add",
-    operator.sub: "sub",
-    operator.mul: "mul",
-    operator.floordiv: "floordiv",
-    operator.mod: "mod",
-    operator.neg: "neg",
-    operator.eq: "eq",
-    operator.ne: "ne",
-    operator.lt: "lt",
-    operator.le: "le",
-    operator.gt: "gt",
-    operator.ge: "ge",
-    torch.sym_max: "max",
-    torch.sym_min: "min",
-}
 _SYM_ARITY = {"neg": 1}
 
 
@@ -338,7 +158,7 @@ def _instruction(
     if node.op.kind is not OpKind.ATEN:
         op = SYM_OPS.get(node.op.target)
         if op is not None and _sym_args(op, node.args) and not node.kwargs and not node.multi:
-            return SymStep(i, node.op.target, op, node.args, tuple(node.outputs))
+            return SymStep(i, node.op.target, node.args, {}, tuple(node.outputs), op=op)
         if _native_kernel(node):
             return Kernel(i, node.op.target, node.args, {}, tuple(node.outputs))
         return PyCall(*args)
@@ -531,6 +351,7 @@ __all__ = [
     "PyCall",
     "Record",
     "Ref",
+    "Step",
     "Stream",
     "SymStep",
     "View",
