@@ -16,7 +16,7 @@ $(VENV)/.deps: Makefile
 	@echo "==> [2/4] installing torch==$(TORCH_VERSION) (a large download the first time)"
 	$(PIP) install torch==$(TORCH_VERSION)
 	@echo "==> [3/4] installing the build and test dependencies (Cython, setuptools, pytest, transformers, ...)"
-	$(PIP) install "setuptools>=64" wheel "cython>=3.0" pytest hypothesis expecttest ruff numpy matplotlib transformers==5.24.0
+	$(PIP) install "setuptools>=64" wheel "cython>=3.0" pytest pytest-xdist hypothesis expecttest ruff numpy matplotlib transformers==5.24.0
 	touch $@
 
 $(VENV)/.fxrt: $(VENV)/.deps setup.py pyproject.toml $(EXT_SOURCES)
@@ -37,9 +37,11 @@ format: $(VENV)/.deps
 	$(VENV)/bin/ruff format fxrt tests benchmarks examples
 	$(VENV)/bin/ruff check --fix fxrt tests benchmarks examples
 
+# Two workers (pytest-xdist), one per core, each test file on one worker (its module-level
+# compiles are made once); each worker keeps to one intra-op thread (tests/conftest.py).
 # PYTEST_FLAGS: extra pytest flags, e.g. `make test PYTEST_FLAGS=--durations=40`.
 test: $(VENV)/.fxrt lint
-	$(PY) -m pytest -q -x -p no:cacheprovider $(PYTEST_FLAGS) tests
+	$(PY) -m pytest -q -x -n 2 --dist loadfile -p no:cacheprovider $(PYTEST_FLAGS) tests
 
 # The full OpInfo sweep over both loops (slow): see README.
 sweep: $(VENV)/.fxrt
