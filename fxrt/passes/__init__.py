@@ -1,13 +1,14 @@
 """Graph passes on the fxrt IR: the built-in passes, their optimization levels, user passes.
 
-A pass is a function ``Graph -> Graph`` named with a verb, one file each. :data:`PASSES` names the
-built-in ones and :data:`LEVELS` the lists ``opt_level`` selects (``CompilerConfig.pass_names()``
-says which run). Running them is the compile pipeline's job (:mod:`fxrt.pipeline`): it runs each
-configured pass as a stage of its own, with the other rewrites of the pipeline, verifies the
-graph after it if it changed, and records a :class:`PassRecord` (name, wall time with
-verification, whether the graph's text changed); a pass that raises fails the compile with a
-:class:`PassError` naming it.
-User passes (TorchAir's interface, on FX) are :mod:`fxrt.passes.user`.
+A pass is a function ``Graph -> Graph`` named with a verb, one file each (the one exception:
+:mod:`~fxrt.passes.host_graph`, FX rewrites of Inductor's host graph, run before the conversion).
+:data:`PASSES` names the built-in ones and :data:`LEVELS` the lists ``opt_level`` selects
+(``CompilerConfig.pass_names()`` says which run). Running them is the compile pipeline's job
+(:mod:`fxrt.pipeline`): it runs each configured pass as a stage of its own, with the other rewrites
+of the pipeline, verifies the graph after it if it changed, and records a :class:`PassRecord` (name,
+wall time with verification, whether the graph's text changed); a pass that raises fails the compile
+with a :class:`PassError` naming it. User passes (TorchAir's interface, on FX) are
+:mod:`fxrt.passes.user`.
 
 The analyses passes share (alias sets, purity, writes) are :mod:`fxrt.analysis.values`, on top of
 :mod:`fxrt.ops.aliasing`: passes are functions of the IR; nothing here imports the planner,

@@ -3,8 +3,9 @@
 sets it).
 
 With ``torch._inductor.config.fx_wrapper`` Inductor describes its host wrapper as a
-``torch.fx.GraphModule``; these four stages prepare it for fxrt, each ``GraphModule -> None``, in
-place, each verified, timed, recorded and dumped by the pipeline's manager like any stage:
+``torch.fx.GraphModule``; these four stages prepare it for fxrt. Each edits the GraphModule in
+place and returns how many nodes it changed; the pipeline's manager verifies, times, records and
+dumps each like any stage:
 
 1. Rewrite the Python-level torch functions the converter emits into the ATen overloads they
    dispatch to, so that fxrt's compiled loop runs them natively instead of calling back into
