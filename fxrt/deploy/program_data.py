@@ -63,7 +63,8 @@ def encode_program(program: Program) -> dict[str, Any]:
         Wait,
     )
     from ..ir.graph import Op
-    from ..serialize import SerializationError, _Writer
+    from ..serialize import SerializationError
+    from ..serialize.encode import _Writer
 
     class Args(_Writer):  # fxrt.serialize's argument encoding, without tensors
         def arg(self, a: Any, where: str) -> Any:

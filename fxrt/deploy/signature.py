@@ -189,7 +189,8 @@ def _str(d: dict[str, Any], key: str, where: str, limit: int = 4096) -> str:
 
 
 def _shape(x: Any, where: str) -> tuple[int | str, ...]:
-    from ..serialize import SerializationError, _size_expr
+    from ..serialize import SerializationError
+    from ..serialize.format import _size_expr
 
     dims = _want(x, list, where)
     if len(dims) > 64:
