@@ -104,8 +104,8 @@ def test_the_package_encoding_holds_or_refuses_every_kind():
 
 
 def test_the_cpp_loader_runs_or_refuses_every_stored_kind_by_name():
-    model = (ROOT / "csrc/src/model.cpp").read_text()
+    model = (ROOT / "csrc/src/program.cpp").read_text()
     for name in NAMES:
         if name == "KERNEL":  # never stored: the encoding refuses it (above)
             continue
-        assert f'kind == "{name}"' in model, f"csrc/src/model.cpp does not handle {name}"
+        assert f'kind == "{name}"' in model, f"csrc/src/program.cpp does not handle {name}"

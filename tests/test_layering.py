@@ -168,3 +168,18 @@ def test_load_path_stays_off_the_compile_side():
         if _within(name, heavy)
     )
     assert not bad, f"imported on import by modules of the load path: {bad}"
+
+
+def test_every_source_file_is_at_most_500_lines():
+    """One idea per file: a file past 500 lines is split where its ideas part (Cython's
+    generated ``_loop.cpp`` aside)."""
+    sources = [ROOT, ROOT.parent / "csrc"]
+    long = {
+        str(path.relative_to(ROOT.parent)): n
+        for top in sources
+        for path in top.rglob("*")
+        if path.suffix in {".py", ".pyx", ".h", ".cpp"}
+        and path.name != "_loop.cpp"
+        and (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, long

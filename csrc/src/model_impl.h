@@ -1,6 +1,6 @@
-// fxrt::Model's state, shared by its translation units: model.cpp (loading the ops and the
-// program; run), inputs.cpp (the signature and the per-call input checks) and weights.cpp (the
-// weights and graph constants, device retargeting and update_weights).
+// fxrt::Model's state, shared by its translation units: model.cpp (loading the ops; run),
+// program.cpp (the program), inputs.cpp (the signature and the per-call input checks) and
+// weights.cpp (the weights and graph constants, device retargeting and update_weights).
 //
 // Everything here is immutable after the constructor except the weight set, which
 // update_weights() replaces as a whole: `current` holds a shared_ptr to an immutable WeightSet,
@@ -95,7 +95,7 @@ struct Model::Impl {
 
   std::unordered_map<std::string, c10::OperatorHandle> ops;
 
-  // model.cpp
+  // model.cpp (ops, run) and program.cpp (load_program)
   void check_ops(const json::Value& table, const json::Value& producer);
   std::vector<IValue> graph_constants(
       const RawPackage& raw,

@@ -5,6 +5,8 @@
 
 #include "call_op.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -20,6 +22,16 @@ struct ArenaInput {
   std::vector<int64_t> sizes;
   at::ScalarType dtype;
 };
+
+// The pool key of calls on the current stream of `device` (0 on the CPU).
+inline int64_t stream_key(c10::DeviceType device) {
+  if (device == c10::DeviceType::CPU) {
+    return 0;
+  }
+  c10::impl::VirtualGuardImpl impl(device);
+  c10::Stream s = impl.getStream(impl.getDevice());
+  return s.id() * 64 + s.device_index();
+}
 
 // Arenas not in use, one pool per inference mode (an arena made in inference mode holds
 // inference tensors, which normal mode may not write) and current stream of the arena's device

@@ -7,8 +7,8 @@
 // the same as in the Program), one add_*_op method per instruction kind, each taking the bound
 // instruction: CALL (call.h), OUT, ALLOC and VIEW (their arena and inline forms in
 // inline_ops.h, their plain form a CALL), SYM (sym.h), KERNEL (c_kernel.h), PYCALL (pycall.h, a
-// placeholder here: its Python form runs it) and FREE. The Executor is immutable afterwards, so any number of threads
-// may run it at once.
+// placeholder here: its Python form runs it) and FREE. The Executor is immutable afterwards, so
+// any number of threads may run it at once.
 //
 // Per call, the caller makes a register file (registers(): the Program's constants preloaded),
 // writes the inputs, checks them (inputs_ok(), inputs.h), and execute() walks the instructions
@@ -20,14 +20,11 @@
 // instruction go back to the caller, which builds the error the Python loop raises
 // (fxrt/errors.py).
 //
-// Per call, the guards lower() computed (fxrt/exec/guards.py, whose Python twins the Python loop
-// runs) decide two things. A call that __torch_function__ must see (a TorchFunctionMode, a
-// subclass input that overrides it) runs every instruction's Python form, without the arena (a
-// separate instantiation of the loop, chosen once per call). A call may use the arena unless
-// autograd could record it (grad mode on and an input or constant requires grad), a
-// TorchDispatchMode is active (it must see the graph's own ops), new memory must be filled, or an
-// input's size or dtype differs from what the arena was planned for. It then takes an arena from
-// the pool of its inference mode and current stream, or has the factory make one, and puts it back after a
+// Per call, the guards lower() computed (guards.h) decide two things. A call that
+// __torch_function__ must see (a TorchFunctionMode, a subclass input that overrides it) runs
+// every instruction's Python form, without the arena (a separate instantiation of the loop,
+// chosen once per call). A call the guards allow an arena takes one from the pool of its
+// inference mode and current stream, or has the factory make one, and puts it back after a
 // successful run; a failed run drops it (the error may still hold views of it).
 
 #pragma once
@@ -35,6 +32,7 @@
 #include "arena_pool.h"
 #include "c_kernel.h"
 #include "call.h"
+#include "guards.h"
 #include "inline_ops.h"
 #include "inputs.h"
 #include "streams.h"
@@ -168,23 +166,12 @@ class Executor {
     pool_.set_max_idle(static_cast<size_t>(std::max<int64_t>(max_idle, 0)));
   }
 
-  // The Program's guards (fxrt/exec/guards.py): the input specs every call checks, the inputs
-  // the arena needs in their compiled size and dtype, and whether a constant requires grad.
+  // The Program's guards (guards.h).
   void set_guards(
       std::vector<InputSpec> specs,
       std::vector<ArenaInput> arena_inputs,
       bool constants_need_grad) {
-    int64_t n_symbols = 0;
-    for (InputSpec& spec : specs) {
-      set_dense(spec);
-      for (int64_t s : spec.sizes) {
-        n_symbols = std::max(n_symbols, -1 - s);
-      }
-    }
-    n_symbols_ = static_cast<size_t>(n_symbols);
-    input_specs_ = std::move(specs);
-    arena_inputs_ = std::move(arena_inputs);
-    constants_need_grad_ = constants_need_grad;
+    guards_.set(std::move(specs), std::move(arena_inputs), constants_need_grad);
   }
 
   // Free the idle arenas; calls still running keep theirs until they return.
@@ -198,9 +185,7 @@ class Executor {
   Registers registers() const { return template_; }
 
   // Whether the inputs in `regs` match the input specs.
-  bool inputs_ok(const Registers& regs) const {
-    return input_specs_.empty() || inputs_match(input_specs_, n_symbols_, regs);
-  }
+  bool inputs_ok(const Registers& regs) const { return guards_.inputs_ok(regs); }
 
   // Run the instructions on `regs` (inputs written and checked); with `Python`, every
   // instruction's Python form. `Timed` appends pc, start and end (ns, CLOCK_MONOTONIC like
@@ -216,7 +201,7 @@ class Executor {
       std::vector<int64_t>* timings,
       bool ranges) const {
     bool inference = c10::InferenceMode::is_enabled();
-    int64_t stream = arena_stream();
+    int64_t stream = arena_factory_ ? stream_key(arena_device_) : 0;
     std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference, stream);
     Stack stack;
     stack.reserve(max_stack_);
@@ -286,16 +271,6 @@ class Executor {
 
   void grow_stack(const CallOp& call) {
     max_stack_ = std::max({max_stack_, call.args.size(), call.n_returns});
-  }
-
-  // The key of the arena pool for calls on the current stream of the arena's device.
-  int64_t arena_stream() const {
-    if (arena_device_ == c10::DeviceType::CPU || !arena_factory_) {
-      return 0;
-    }
-    c10::impl::VirtualGuardImpl impl(arena_device_);
-    c10::Stream s = impl.getStream(impl.getDevice());
-    return s.id() * 64 + s.device_index();
   }
 
   // A multi-stream program on the CPU (streams.h): the caller's segments here, the others on
@@ -398,27 +373,8 @@ class Executor {
 
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
   std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference, int64_t stream) const {
-    if (!arena_factory_ || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
-        fills_uninitialized_memory()) {
-      return nullptr;  // a dispatch mode must see the graph's own ops; new memory is filled
-    }
-    if (c10::GradMode::is_enabled()) {
-      if (constants_need_grad_) {
-        return nullptr;
-      }
-      for (int64_t r : inputs_) {
-        const IValue& v = regs[static_cast<size_t>(r)];
-        if (v.isTensor() && v.toTensor().requires_grad()) {
-          return nullptr;
-        }
-      }
-    }
-    for (const ArenaInput& g : arena_inputs_) {
-      const IValue& v = regs[g.reg];
-      if (!v.isTensor() || v.toTensor().scalar_type() != g.dtype ||
-          !v.toTensor().sizes().equals(g.sizes)) {
-        return nullptr;
-      }
+    if (!arena_factory_ || !guards_.arena_allowed(regs, inputs_)) {
+      return nullptr;
     }
     std::unique_ptr<Arena> arena = pool_.take(inference, stream);
     if (arena != nullptr) {
@@ -537,10 +493,7 @@ class Executor {
   size_t max_stack_ = 0;
   std::function<std::unique_ptr<Arena>()> arena_factory_;
   c10::DeviceType arena_device_ = c10::DeviceType::CPU;
-  std::vector<InputSpec> input_specs_;
-  size_t n_symbols_ = 0;
-  std::vector<ArenaInput> arena_inputs_;
-  bool constants_need_grad_ = false;
+  CallGuards guards_;
   mutable ArenaPool pool_;
 };
 

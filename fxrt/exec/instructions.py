@@ -44,7 +44,7 @@ one of them lacks a kind of :data:`KINDS`:
 ``py_executor.h``
 ``fxrt/_speedups/loop.h``              ``Instr::Kind`` and its ``case`` in the loop
 ``fxrt/deploy/program_data.py``        the package encoding (``kind`` in each instruction)
-``csrc/src/model.cpp``                 the C++ runtime's loader (it runs or refuses it by name)
+``csrc/src/program.cpp``               the C++ runtime's loader (it runs or refuses it by name)
 =====================================  ========================================================
 """
 
