@@ -4,7 +4,7 @@
 
     stage                          reads -> makes      module
     [post_grad_custom_pre_pass]    FX -> FX            the user's pre pass (fxrt.passes.user)
-    [rewrite_to_native, use_functional_variants, simplify_views, use_reinterpret_views]
+    [rewrite_to_aten, use_functional_variants, simplify_views, use_reinterpret_views]
                                    FX -> FX            Inductor's host graph, inductor_host_graph
                                                        (fxrt.passes.host_graph)
     from_fx                        FX -> IR            fxrt.ir.from_fx
@@ -13,7 +13,7 @@
     [post_grad_custom_post_pass]   IR -> FX -> IR      the user's post pass, on FX
     [use_own_ops]                  IR -> IR            fxrt's own CPU ops (fxrt.ops.own_ops)
     [assign_streams]               IR -> IR            streams="auto" (fxrt.passes.assign_streams)
-    synchronize_streams            IR -> IR            record/wait, joins (fxrt.passes.streams)
+    synchronize_streams            IR -> IR            record/wait (passes.synchronize_streams)
     plan_lifetimes                 IR -> Plan          last uses, FREEs (fxrt.exec.plan)
     [plan_arena]                   IR, Plan -> arena   inline views, slots (fxrt.exec.arena)
     lower                          ... -> Program      fxrt.exec.program
@@ -86,7 +86,7 @@ from .passes import (
 from .passes.assign_streams import assign_streams
 from .passes.fuse_attention import FUSED_ATTENTION
 from .passes.host_graph import REWRITES as HOST_GRAPH_REWRITES
-from .passes.streams import remove_streams, synchronize_streams
+from .passes.synchronize_streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
 
 

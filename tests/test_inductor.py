@@ -398,7 +398,7 @@ def test_host_graph_rewrites_are_pipeline_stages(tmp_path):
             torch.testing.assert_close(fn(x), model(x))
     (cg,) = [g for g in compiled_host_graphs() if id(g) not in before]
     names = [r.name for r in cg.stage_records]
-    rewrites = ["rewrite_to_native", "use_functional_variants", "simplify_views"]
+    rewrites = ["rewrite_to_aten", "use_functional_variants", "simplify_views"]
     rewrites.append("use_reinterpret_views")
     assert names[: names.index("from_fx")] == rewrites
     assert any(r.changed for r in cg.stage_records if r.name in rewrites)

@@ -24,7 +24,7 @@ import fxrt
 from fxrt.exec.program import Free, Record, Stream, Wait
 from fxrt.ir import refs_in
 from fxrt.ops.streams import LABEL_KEY, register_torchair_compat
-from fxrt.passes.streams import StreamError
+from fxrt.passes.synchronize_streams import StreamError
 
 register_torchair_compat()
 air = torch.ops.air
@@ -193,7 +193,7 @@ def test_write_after_read_across_streams(executor):
 def test_unmatched_scope_exit_is_an_error():
     from fxrt.ir import Graph
     from fxrt.ir.graph import Node, Op, ValueKind
-    from fxrt.passes.streams import synchronize_streams
+    from fxrt.passes.synchronize_streams import synchronize_streams
 
     g = Graph()
     v = g.add_value("e", ValueKind.NONE)

@@ -8,9 +8,10 @@ graph ordered by its records and waits, how far along every stream each node is 
 after each). A label names the same stream throughout the graph; a ``scope_enter`` without a
 label keeps the current stream.
 
-The pass that inserts missing record/wait pairs (:func:`fxrt.passes.streams.synchronize_streams`),
-the lifetime planner and the executors (:mod:`fxrt.exec.streams`) all read these facts; this
-module imports neither passes nor executors.
+The pass that inserts missing record/wait pairs
+(:func:`fxrt.passes.synchronize_streams.synchronize_streams`), the lifetime planner and the
+executors (:mod:`fxrt.exec.streams`) all read these facts; this module imports neither passes nor
+executors.
 """
 
 from __future__ import annotations

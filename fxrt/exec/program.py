@@ -6,11 +6,11 @@ KERNEL, PYCALL, FREE, STREAM, RECORD or WAIT (:mod:`fxrt.exec.instructions`, whi
 what each means, and every place a kind must be known).
 
 STREAM, RECORD and WAIT come from the stream ops (:mod:`fxrt.ops.streams`, ordered by
-:mod:`fxrt.passes.streams`); :attr:`Program.streams` then says how many streams and events there
-are and on which device (:mod:`fxrt.exec.streams`). Program order is a valid schedule of a
-multi-stream program: the Python loop runs it so; the compiled loop runs each side stream on a
-worker thread (CPU) or on a device stream. The per-call guards (:mod:`fxrt.exec.guards`) are in
-:attr:`Program.guards`.
+:mod:`fxrt.passes.synchronize_streams`); :attr:`Program.streams` then says how many streams and
+events there are and on which device (:mod:`fxrt.exec.streams`). Program order is a valid
+schedule of a multi-stream program: the Python loop runs it so; the compiled loop runs each side
+stream on a worker thread (CPU) or on a device stream. The per-call guards
+(:mod:`fxrt.exec.guards`) are in :attr:`Program.guards`.
 
 If the compiled loop cannot bind an instruction (an op the dispatcher lacks, arguments its schema
 does not take), it demotes it (OUT/ALLOC/VIEW to CALL, CALL and KERNEL to PYCALL) and writes the

@@ -1,8 +1,8 @@
 """Multi-stream programs: what planning, the arena and lowering need to know about streams.
 
 A graph with stream ops (:mod:`fxrt.ops.streams`) has been ordered by
-:func:`fxrt.passes.streams.synchronize_streams`: every cross-stream use follows a record and a
-wait, and the side streams join the caller's at the end. Here:
+:func:`fxrt.passes.synchronize_streams.synchronize_streams`: every cross-stream use follows a
+record and a wait, and the side streams join the caller's at the end. Here:
 
 * **Frees** (:func:`free_points`). A buffer used on one stream is freed after its last use, as
   without streams. One used on several is freed on the stream that made it (whose pool its

@@ -30,7 +30,7 @@ _INT_TYPES = frozenset({"int64_t", "long", "long int", "uintptr_t"})
 MAX_ARGS = 64  # the most parameters the compiled loop calls natively (fxrt/_speedups/c_kernel.h)
 
 
-def native_calls_supported() -> bool:
+def direct_calls_supported() -> bool:
     """Whether this machine's calling convention passes pointers and int64 alike."""
     return platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 
@@ -85,7 +85,7 @@ class CKernel:
         kinds = param_kinds(arg_types)
         self.params: tuple[str, ...] = kinds or ()
         self.address: int | None = None
-        if kinds is not None and len(kinds) <= MAX_ARGS and native_calls_supported():
+        if kinds is not None and len(kinds) <= MAX_ARGS and direct_calls_supported():
             self.address = _address(binding, "kernel")
 
     def __call__(self, *args: Any) -> Any:
@@ -96,4 +96,4 @@ class CKernel:
         return f"<CKernel {self.name} ({', '.join(self.params)}) {native}>"
 
 
-__all__ = ["CKernel", "INT", "MAX_ARGS", "POINTER", "native_calls_supported", "param_kinds"]
+__all__ = ["CKernel", "INT", "MAX_ARGS", "POINTER", "direct_calls_supported", "param_kinds"]

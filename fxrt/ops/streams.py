@@ -19,7 +19,7 @@ In eager mode the ops do nothing (``record`` returns an empty tensor), and so do
 helpers :func:`stream_scope`, :func:`record` and :func:`wait` outside ``torch.compile``. They
 are marked side-effectful so that no dead-code elimination (FX's, AOTAutograd's or fxrt's)
 drops them. What a stream is and how a program runs on several is
-:mod:`fxrt.analysis.streams` (the IR), :mod:`fxrt.passes.streams` (ordering) and
+:mod:`fxrt.analysis.streams` (the IR), :mod:`fxrt.passes.synchronize_streams` (ordering) and
 :mod:`fxrt.exec.streams` (the executors).
 """
 

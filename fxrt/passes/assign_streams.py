@@ -20,7 +20,7 @@
    group's side-stream chains come before its caller's-stream ones, and caller's-stream nodes
    that read a side stream's result after those that do not; runs of one side stream are
    wrapped in ``scope_enter``/``scope_exit`` (labels ``auto1``, ``auto2``...), and
-   :func:`~fxrt.passes.streams.synchronize_streams` inserts the records and waits.
+   :func:`~fxrt.passes.synchronize_streams.synchronize_streams` inserts the records and waits.
 
 A graph that already has stream ops, or in which no group is found, is returned unchanged.
 """
@@ -32,7 +32,7 @@ import math
 
 from ..analysis.values import alias_roots, is_pure, written_values
 from ..ir.graph import Graph, Node, OpKind
-from .streams import _Builder, has_stream_ops, synchronize_streams
+from .synchronize_streams import _Builder, has_stream_ops, synchronize_streams
 
 MIN_BRANCH_US = 40.0  # a chain below this runs on the caller's stream
 OP_US = 1.0  # dispatch cost of one op in the compiled loop

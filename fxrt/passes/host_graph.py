@@ -72,13 +72,13 @@ from ..ops.reinterpret import reinterpret_tensor
 aten = torch.ops.aten
 
 # Python-level functions of Inductor's FX host graph and the ATen overloads they dispatch to.
-NATIVE_EQUIVALENTS: dict[Any, torch._ops.OpOverload] = {
+ATEN_EQUIVALENTS: dict[Any, torch._ops.OpOverload] = {
     torch.empty_strided: aten.empty_strided.default,
     torch.as_strided: aten.as_strided.default,
 }
 
 
-def _native_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _aten_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     # The converter passes ``device=device.type`` (a str); the schema's ``Device?`` wants a
     # torch.device so that the compiled loop can convert the constant without Python.
     out = dict(kwargs)
@@ -87,7 +87,7 @@ def _native_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rewrite_to_native(gm: torch.fx.GraphModule) -> int:
+def rewrite_to_aten(gm: torch.fx.GraphModule) -> int:
     """Rewrite, in place, the Python-level calls of ``gm`` that have an ATen equivalent.
 
     Returns:
@@ -98,13 +98,13 @@ def rewrite_to_native(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         try:
-            native = NATIVE_EQUIVALENTS.get(node.target)
+            aten_op = ATEN_EQUIVALENTS.get(node.target)
         except TypeError:  # an unhashable callable
             continue
-        if native is None:
+        if aten_op is None:
             continue
-        node.target = native
-        node.kwargs = _native_kwargs(dict(node.kwargs))
+        node.target = aten_op
+        node.kwargs = _aten_kwargs(dict(node.kwargs))
         changed += 1
     if changed:
         gm.recompile()
@@ -343,12 +343,12 @@ def use_reinterpret_views(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
-REWRITES = (rewrite_to_native, use_functional_variants, simplify_views, use_reinterpret_views)
+REWRITES = (rewrite_to_aten, use_functional_variants, simplify_views, use_reinterpret_views)
 
 __all__ = [
-    "NATIVE_EQUIVALENTS",
+    "ATEN_EQUIVALENTS",
     "REWRITES",
-    "rewrite_to_native",
+    "rewrite_to_aten",
     "simplify_views",
     "use_functional_variants",
     "use_reinterpret_views",
