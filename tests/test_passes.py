@@ -154,6 +154,28 @@ def test_folded_causal_mask_through_torch_compile(executor):
         assert not {"aten::ones", "aten::tril"} & ops, sorted(ops)
 
 
+def test_folded_causal_mask_in_a_training_graph(executor):
+    """AOTAutograd compiles the forward under its fake mode: a folded constant is still a real
+    tensor (it was a FakeTensor, and the first call failed in the graph's masked_fill)."""
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DecoderBlock(32, 2).eval()
+    reference = copy.deepcopy(model)
+    options = {"pure_python": executor == "python", "cache": False}
+    with recording_compiles() as compiled:
+        fn = torch.compile(model, backend="fxrt", options=options)
+        for _ in range(2):
+            x = torch.randn(1, 8, 32)
+            out, want = fn(x), reference(x)
+            torch.testing.assert_close(out, want)
+            out.sum().backward()
+            want.sum().backward()
+    assert compiled
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_fold_constants_never_folds_mutated_buffers():
     class M(torch.nn.Module):
         def __init__(self):
