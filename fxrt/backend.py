@@ -54,7 +54,7 @@ def backend(
     if is_inference(example_inputs):
         cg = _compile_inference(gm, example_inputs, config)
         _record_for_caching_precompile(gm, cg)
-        return cg
+        return cg.entry(static_inputs(example_inputs))
     if _in_aot_compile():
         raise RuntimeError(
             "fxrt: aot_compile / save_compiled_function holds inference graphs only, and this "
@@ -69,6 +69,16 @@ def backend(
     return aot_autograd(
         fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True
     )(gm, example_inputs)
+
+
+def static_inputs(example_inputs: Sequence[Any]) -> list[int]:
+    """The positions of the inputs Dynamo passes as static: parameters and buffers (and tensors
+    marked with ``torch._dynamo.mark_static_address``)."""
+    return [
+        i
+        for i, x in enumerate(example_inputs)
+        if isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None)
+    ]
 
 
 def _compile_inference(
@@ -216,14 +226,15 @@ def _specialize_float_inputs(dynamo_fakes: Sequence[Any]) -> None:
 
 
 def _install_serializable() -> None:
-    """Make :class:`fxrt.CompiledGraph` a ``SerializableCallable`` (called when Dynamo runs the
-    backend, so importing fxrt never imports Dynamo)."""
+    """Make :class:`fxrt.CompiledGraph` and the compiled loop ``SerializableCallable``s (called
+    when Dynamo runs the backend, so importing fxrt never imports Dynamo)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
 
-    from .compiler import CompiledGraph
+    from .compiler import CompiledGraph, GraphLoop
 
-    if not issubclass(CompiledGraph, SerializableCallable):
-        SerializableCallable.register(CompiledGraph)
+    for cls in (CompiledGraph, GraphLoop):  # what the backend returns (CompiledGraph.entry)
+        if not issubclass(cls, SerializableCallable):
+            SerializableCallable.register(cls)
 
 
 def _record_for_caching_precompile(gm: Any, cg: Any) -> None:
@@ -263,7 +274,7 @@ def _artifact_class() -> type:
             def after_deserialization(self) -> Any:
                 from .compiler import CompiledGraph
 
-                return CompiledGraph.deserialize_compile_artifacts(self.content)
+                return CompiledGraph.deserialize_compile_artifacts(self.content).entry()
 
         FxrtArtifact.__module__ = __name__
         FxrtArtifact.__qualname__ = "FxrtArtifact"

@@ -68,7 +68,7 @@ class CompiledGraph:
             if config.pure_python or not native_available():
                 self._loop: PythonLoop | NativeLoop = PythonLoop(program, arena_max_idle=idle)
             else:
-                self._loop = NativeLoop(program, arena_max_idle=idle)
+                self._loop = GraphLoop(program, arena_max_idle=idle)
         self.program = self._loop.program  # with the compiled loop's demotions, if any
         self.executor: str = self._loop.name
         self.pass_records: list[PassRecord] = []
@@ -94,7 +94,23 @@ class CompiledGraph:
             return self._run_instrumented(inputs)
         if self._capture is not None:
             return self._capture(inputs)
-        return self._loop(inputs)
+        return self._loop.run(inputs)
+
+    def entry(self, static_inputs: Sequence[int] = ()) -> Callable[..., Any]:
+        """What ``torch.compile`` calls: the compiled loop itself, so a call runs no Python frame
+        of fxrt's (it hands calls to this graph while a profiler is on), or this graph when it
+        captures or runs on the Python loop.
+
+        Args:
+            static_inputs: the positions of inputs that are parameters or buffers: the loop
+                keeps their tensors between calls (see :meth:`NativeLoop.keep_inputs`).
+        """
+        if self._capture is not None or not isinstance(self._loop, NativeLoop):
+            return self
+        self._loop.keep_inputs(list(static_inputs))
+        self._loop._owner = self
+        self._loop._boxed_call = True
+        return self._loop
 
     def _run_instrumented(self, inputs: Any) -> Any:
         """One call through the loop's timed variant, recorded in the active fxrt.profile()."""
@@ -194,6 +210,20 @@ class CompiledGraph:
 
 def _load_pickled(artifact: bytes) -> CompiledGraph:
     return CompiledGraph.load_artifacts(artifact)
+
+
+class GraphLoop(NativeLoop):
+    """The compiled loop of a :class:`CompiledGraph`, what ``torch.compile`` calls
+    (:meth:`CompiledGraph.entry`): Dynamo's precompile asks the type of what it calls for the
+    bytes, which are the owning graph's."""
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: GraphLoop) -> bytes:
+        return CompiledGraph.serialize_compile_artifacts(fn._owner)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> Callable[..., Any]:
+        return CompiledGraph.deserialize_compile_artifacts(data).entry()
 
 
 def _region_graph(graph: Graph, config: CompilerConfig, capture: bool) -> CompiledGraph:

@@ -157,7 +157,17 @@ def profile() -> Iterator[Profile]:
     prof = Profile()
     entry = (threading.get_ident(), prof)
     _active.append(entry)
+    _tell_compiled_loop()
     try:
         yield prof
     finally:
         _active.remove(entry)
+        _tell_compiled_loop()
+
+
+def _tell_compiled_loop() -> None:
+    """The compiled loop, called directly by torch.compile, hands calls to their CompiledGraph
+    (which instruments them) while a block is open."""
+    from .exec.native import set_instrumenting
+
+    set_instrumenting(bool(_active))

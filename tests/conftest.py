@@ -54,10 +54,6 @@ def pytest_sessionstart(session) -> None:
     # to one intra-op thread, or the two processes' thread pools contend for both cores.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
-    # ``make test`` runs two workers (pytest-xdist) on this project's two cores: each worker keeps
-    # to one intra-op thread, or the two processes' thread pools contend for both cores.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
     problem = compiled_loop_problem(fxrt.runtime_info(), build_ext_skipped())
     if problem:
         pytest.exit(

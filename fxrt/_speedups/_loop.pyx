@@ -76,10 +76,26 @@ cdef extern from "py_executor.h":
             cbool through_python,
         )
         void set_names(const vector[string]& names) except +set_python_error
+        void set_kept_inputs(const vector[int64_t]& positions) except +set_python_error
+
+
+cdef extern from "<ATen/record_function.h>" namespace "at":
+    cbool hasCallbacks()
 
 
 TORCH_VERSION = built_torch_version().decode()
 """The ``torch.__version__`` this extension was compiled against."""
+
+
+# Set while an fxrt.profile() block is open (set_instrumenting): calls go to the owner's
+# instrumented path.
+cdef cbool _instrumenting = False
+
+
+def set_instrumenting(cbool on):
+    """Whether an fxrt.profile() block is open (fxrt.profiler sets it)."""
+    global _instrumenting
+    _instrumenting = on
 
 
 cdef inline cbool _through_python(inputs):
@@ -97,6 +113,9 @@ cdef class Executor:
     """
 
     cdef CExecutor* impl
+    cdef public object _owner
+    """What a call goes to while a profiler is on (fxrt.profile(), torch.profiler: any
+    RecordFunction callback): the CompiledGraph whose loop this is, or None."""
 
     def __dealloc__(self):
         del self.impl
@@ -237,7 +256,20 @@ cdef class Executor:
         register file at that point."""
         return exc
 
-    def __call__(self, inputs):
+    def __call__(self, *args):
+        """Run on the graph inputs: one list or tuple (boxed, as Dynamo and AOTAutograd call
+        it; a graph input is never a list or tuple) or each as an argument. While a profiler is
+        on, the owner (a CompiledGraph) runs the call, instrumented."""
+        inputs = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else args
+        if (_instrumenting or hasCallbacks()) and self._owner is not None:
+            return self._owner(inputs if type(inputs) is list else list(inputs))
+        return self._run(inputs)
+
+    def run(self, inputs):
+        """Run on ``inputs`` (a list or tuple of the graph inputs), never instrumented."""
+        return self._run(inputs)
+
+    cdef object _run(self, inputs):
         cdef Failure failure
         cdef CExecutor* impl = self._impl()
         try:
@@ -247,6 +279,11 @@ cdef class Executor:
                 raise
             regs = failure_registers(failure)
             raise self._execution_error(failure.pc, regs, exc) from exc
+
+    def set_kept_inputs(self, positions):
+        """The static inputs (parameters, buffers) by position: a frame keeps their tensors
+        between calls (frames.h). Before the first call."""
+        self._impl().set_kept_inputs(positions)
 
 
 cdef _why(string why):

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "call_op.h"
+#include "slots.h"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -39,7 +40,14 @@ inline int64_t stream_key(c10::DeviceType device) {
 // stream starts).
 class ArenaPool {
  public:
+  // The CPU's calls (stream key 0) take and give back arenas without a lock (slots.h) when at
+  // most Slots::kMax are kept.
+  ArenaPool() { set_max_idle(2); }
+
   std::unique_ptr<Arena> take(bool inference, int64_t stream) {
+    if (stream == 0 && max_idle_ <= Slots<Arena>::kMax) {
+      return cpu_[inference].take();
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto& pool = pools_[{inference, stream}];
     if (pool.empty()) {
@@ -51,16 +59,25 @@ class ArenaPool {
   }
   // Keeps at most `max_idle` arenas per pool; one more is freed (on return, outside the lock).
   void give_back(std::unique_ptr<Arena> arena, bool inference, int64_t stream) {
+    if (stream == 0 && max_idle_ <= Slots<Arena>::kMax) {
+      cpu_[inference].give_back(std::move(arena));
+      return;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto& pool = pools_[{inference, stream}];
     if (pool.size() < max_idle_) {
       pool.push_back(std::move(arena));
     }
   }
-  void set_max_idle(size_t n) { max_idle_ = n; }
+  void set_max_idle(size_t n) {
+    max_idle_ = n;
+    for (auto& slots : cpu_) {
+      slots.set_capacity(n);
+    }
+  }
   size_t idle() {
     std::lock_guard<std::mutex> lock(mu_);
-    size_t n = 0;
+    size_t n = cpu_[0].idle() + cpu_[1].idle();
     for (const auto& [key, pool] : pools_) {
       n += pool.size();
     }
@@ -69,6 +86,8 @@ class ArenaPool {
   // Frees every idle arena (CompiledGraph.release_memory()).
   void clear() {
     std::map<std::pair<bool, int64_t>, std::vector<std::unique_ptr<Arena>>> dropped;
+    cpu_[0].clear();
+    cpu_[1].clear();
     std::lock_guard<std::mutex> lock(mu_);
     dropped.swap(pools_);
   }
@@ -76,6 +95,7 @@ class ArenaPool {
  private:
   std::mutex mu_;
   size_t max_idle_ = 2;
+  Slots<Arena> cpu_[2];  // by inference mode
   std::map<std::pair<bool, int64_t>, std::vector<std::unique_ptr<Arena>>> pools_;
 };
 

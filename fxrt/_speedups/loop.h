@@ -3,16 +3,17 @@
 //
 // The Executor here is the loop itself and needs no Python: the Python extension
 // (py_executor.h, PyExecutor) and the C++ runtime (csrc/, built with FXRT_NO_PYTHON) both run it.
-// It is built once, instruction by instruction in program order (so an instruction's index is
-// the same as in the Program), one add_*_op method per instruction kind, each taking the bound
-// instruction: CALL (call.h), OUT, ALLOC and VIEW (their arena and inline forms in
+// It is built once (code.h), instruction by instruction in program order (so an instruction's
+// index is the same as in the Program), one add_*_op method per instruction kind, each taking
+// the bound instruction: CALL (call.h), OUT, ALLOC and VIEW (their arena and inline forms in
 // inline_ops.h, their plain form a CALL), SYM (sym.h), KERNEL (c_kernel.h), PYCALL (pycall.h, a
 // placeholder here: its Python form runs it) and FREE. The Executor is immutable afterwards, so
 // any number of threads may run it at once.
 //
-// Per call, the caller makes a register file (registers(): the Program's constants preloaded),
-// writes the inputs, checks them (inputs_ok(), inputs.h), and execute() walks the instructions
-// with one reused stack, switching on their kind. The caller's Forms run an instruction's Python
+// Per call, the caller takes a register file and stack (take_frame(), frames.h: the Program's
+// constants preloaded; or registers() for a fresh register file), writes the inputs, checks them
+// (inputs_ok(), inputs.h), and execute() walks the instructions with one stack, switching on
+// their kind. The caller's Forms run an instruction's Python
 // form (PYCALL, a SYM step on non-integers, every instruction of a call __torch_function__ must
 // see); without Python, NoForms refuses. The GIL (GilState, a no-op without Python) is released
 // around runs of native instructions, as torch.ops does around each op, and taken back for
@@ -30,11 +31,12 @@
 #pragma once
 
 #include "arena_pool.h"
-#include "c_kernel.h"
 #include "call.h"
+#include "code.h"
 #include "guards.h"
 #include "inline_ops.h"
 #include "inputs.h"
+#include "frames.h"
 #include "streams.h"
 #include "sym.h"
 
@@ -54,16 +56,6 @@
 
 namespace fxrt {
 
-using Registers = std::vector<IValue>;
-
-struct Instr {
-  enum Kind : uint8_t { CALL, OUT, ALLOC, VIEW, SYM, KERNEL, PYCALL, FREE, STREAM, RECORD, WAIT };
-  Kind kind;
-  // into calls_, outs_, allocs_, views_, syms_, kernels_, frees_, stream_ops_, records_ or
-  // waits_; the pc for PYCALL
-  size_t index;
-};
-
 // Filled by run() when an instruction fails: what the caller needs to name the failing node.
 struct Failure {
   int64_t pc = -1;
@@ -79,80 +71,9 @@ struct NoForms {
   }
 };
 
-class Executor {
+class Executor : public Code {
  public:
-  explicit Executor(int64_t n_regs) : template_(static_cast<size_t>(n_regs)) {}
-
-  void set_inputs(const std::vector<int64_t>& regs) { inputs_ = regs; }
-  const std::vector<int64_t>& inputs() const { return inputs_; }
-
-  void set_constant_value(int64_t reg, IValue value) {
-    template_.at(static_cast<size_t>(reg)) = std::move(value);
-  }
-
-  void add_free(const std::vector<int64_t>& regs) {
-    code_.push_back({Instr::FREE, frees_.size()});
-    frees_.push_back(regs);
-  }
-
-  // The bound instructions, in program order.
-  void add_call_op(CallOp call) {
-    grow_stack(call);
-    code_.push_back({Instr::CALL, calls_.size()});
-    calls_.push_back(std::move(call));
-  }
-  void add_out_op(OutOp out) {
-    grow_stack(out.call);
-    grow_stack(out.out);
-    code_.push_back({Instr::OUT, outs_.size()});
-    outs_.push_back(std::move(out));
-  }
-  void add_alloc_op(AllocOp alloc) {
-    grow_stack(alloc.call);
-    code_.push_back({Instr::ALLOC, allocs_.size()});
-    allocs_.push_back(std::move(alloc));
-  }
-  void add_view_op(ViewOp view) {
-    grow_stack(view.call);
-    code_.push_back({Instr::VIEW, views_.size()});
-    views_.push_back(std::move(view));
-  }
-  void add_sym_op(SymOp sym) {
-    code_.push_back({Instr::SYM, syms_.size()});
-    syms_.push_back(std::move(sym));
-  }
-  void add_kernel_op(KernelOp kernel) {
-    code_.push_back({Instr::KERNEL, kernels_.size()});
-    kernels_.push_back(std::move(kernel));
-  }
-  void add_python_op() { code_.push_back({Instr::PYCALL, code_.size()}); }
-
-  // STREAM, RECORD and WAIT (streams.h); set_streams() once they are all added.
-  void add_stream(int64_t stream) {
-    code_.push_back({Instr::STREAM, stream_ops_.size()});
-    stream_ops_.push_back({stream});
-  }
-  void add_record(int64_t stream, int64_t event) {
-    code_.push_back({Instr::RECORD, records_.size()});
-    records_.push_back({stream, event});
-  }
-  void add_wait(
-      int64_t stream,
-      const std::vector<int64_t>& events,
-      const std::vector<int64_t>& protect) {
-    code_.push_back({Instr::WAIT, waits_.size()});
-    waits_.push_back({stream, events, protect});
-  }
-  // A multi-stream program: `n_streams` streams (the caller's included) on device type
-  // `device` ("cpu": worker threads), `n_events` events per call.
-  void set_streams(int64_t n_streams, const std::string& device, int64_t n_events) {
-    streams_.configure(n_streams, device, n_events);
-    streams_.cut(code_.size(), [this](size_t pc) -> int64_t {
-      return code_[pc].kind == Instr::STREAM ? stream_ops_[code_[pc].index].stream : -1;
-    });
-  }
-
-  size_t size() const { return code_.size(); }
+  explicit Executor(int64_t n_regs) : Code(n_regs) {}
 
   // The arena: `factory()` makes one (one tensor per slot; called with the GIL held in the
   // Python build) on `device`; at most `max_idle` arenas per inference mode and current stream
@@ -175,7 +96,10 @@ class Executor {
   }
 
   // Free the idle arenas; calls still running keep theirs until they return.
-  void release_arenas() { pool_.clear(); }
+  void release_arenas() {
+    pool_.clear();
+    frames_.clear();
+  }
   size_t idle_arenas() const { return pool_.idle(); }
 
   // Per-instruction node names (program order), for torch.profiler ranges in timed runs.
@@ -183,6 +107,16 @@ class Executor {
 
   // A fresh register file: the Program's constants preloaded.
   Registers registers() const { return template_; }
+
+  // Frames (frames.h): the register files and stacks of calls, reused.
+  void set_kept_inputs(const std::vector<int64_t>& positions) {
+    frames_.keep_inputs(template_.size(), inputs_, positions);
+  }
+  bool kept(size_t reg) const { return frames_.kept(reg); }
+  std::unique_ptr<Frame> take_frame() const { return frames_.take(template_, max_stack_); }
+  void give_frame(std::unique_ptr<Frame> frame) const {
+    frames_.give_back(std::move(frame), template_, frees_);
+  }
 
   // Whether the inputs in `regs` match the input specs.
   bool inputs_ok(const Registers& regs) const { return guards_.inputs_ok(regs); }
@@ -200,11 +134,24 @@ class Executor {
       Failure& failure,
       std::vector<int64_t>* timings,
       bool ranges) const {
+    Stack stack;
+    stack.reserve(max_stack_);
+    execute<Timed, Python>(regs, stack, forms, gil, failure, timings, ranges);
+  }
+
+  // The same on a frame's stack (take_frame()).
+  template <bool Timed, bool Python, class Forms>
+  void execute(
+      Registers& regs,
+      Stack& stack,
+      const Forms& forms,
+      GilState& gil,
+      Failure& failure,
+      std::vector<int64_t>* timings,
+      bool ranges) const {
     bool inference = c10::InferenceMode::is_enabled();
     int64_t stream = arena_factory_ ? stream_key(arena_device_) : 0;
     std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference, stream);
-    Stack stack;
-    stack.reserve(max_stack_);
     std::optional<DeviceCall> device_call;  // a multi-stream call on a device (streams.h)
     DeviceCall* dev = nullptr;
     size_t pc = 0;
@@ -269,9 +216,6 @@ class Executor {
     }
   }
 
-  void grow_stack(const CallOp& call) {
-    max_stack_ = std::max({max_stack_, call.args.size(), call.n_returns});
-  }
 
   // A multi-stream program on the CPU (streams.h): the caller's segments here, the others on
   // their workers. Sets `pc` to the failing instruction when it throws.
@@ -475,26 +419,11 @@ class Executor {
     }
   }
 
-  Registers template_;
-  std::vector<int64_t> inputs_;
-  std::vector<Instr> code_;
-  std::vector<CallOp> calls_;
-  std::vector<OutOp> outs_;
-  std::vector<AllocOp> allocs_;
-  std::vector<ViewOp> views_;
-  std::vector<SymOp> syms_;
-  std::vector<KernelOp> kernels_;
-  std::vector<std::vector<int64_t>> frees_;
-  std::vector<StreamOp> stream_ops_;
-  std::vector<RecordOp> records_;
-  std::vector<WaitOp> waits_;
-  mutable StreamSet streams_;
-  std::vector<std::string> names_;
-  size_t max_stack_ = 0;
   std::function<std::unique_ptr<Arena>()> arena_factory_;
   c10::DeviceType arena_device_ = c10::DeviceType::CPU;
   CallGuards guards_;
   mutable ArenaPool pool_;
+  mutable Frames frames_;
 };
 
 }  // namespace fxrt

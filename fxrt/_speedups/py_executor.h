@@ -7,8 +7,8 @@
 // bind its instruction adds nothing and returns why; fxrt/exec/native.py then adds the demoted
 // instruction and writes the demotion back into the Program.
 //
-// run() converts the inputs into a fresh register file, checks them, runs the Executor and
-// builds the output. Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error ->
+// run() converts the inputs into a frame's register file (frames.h), checks them, runs the
+// Executor and builds the output. Errors follow torch's own HANDLE_TH_ERRORS protocol (c10::Error ->
 // RuntimeError and friends, C++ warnings -> Python warnings).
 
 #pragma once
@@ -362,10 +362,20 @@ class PyExecutor : public Executor {
           n);
       throw_python_error();
     }
-    Registers regs = registers();
+    std::unique_ptr<Frame> frame = take_frame();  // dropped, not kept, if the call fails
+    Registers& regs = frame->regs;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      regs[static_cast<size_t>(input_regs[i])] =
-          from_python(PySequence_Fast_GET_ITEM(seq.ptr(), i));
+      PyObject* obj = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+      IValue& reg = regs[static_cast<size_t>(input_regs[i])];
+      if (kept(static_cast<size_t>(input_regs[i])) && THPVariable_CheckExact(obj)) {
+        // A static input: the frame still holds the tensor when it is the last call's.
+        const at::Tensor& t = THPVariable_Unpack(obj);
+        if (!reg.isTensor() || reg.unsafeToTensorImpl() != t.unsafeGetTensorImpl()) {
+          reg = IValue(t);
+        }
+      } else {
+        reg = from_python(obj);
+      }
     }
     if (!inputs_ok(regs)) {
       py::object exc = on_mismatch_(seq);
@@ -373,8 +383,10 @@ class PyExecutor : public Executor {
       throw_python_error();
     }
     GilState gil(release_gil_ && !Python);
-    execute<Timed, Python>(regs, Forms{forms_}, gil, failure, timings, ranges);
-    return output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
+    execute<Timed, Python>(regs, frame->stack, Forms{forms_}, gil, failure, timings, ranges);
+    PyObject* out = output_ ? output_->build(regs).release().ptr() : Py_NewRef(Py_None);
+    give_frame(std::move(frame));
+    return out;
   }
 
   RefReader refs_;

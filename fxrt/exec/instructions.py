@@ -31,7 +31,7 @@ into ``outputs``, the six fields in the base), which is what a call runs when
 ``__torch_function__`` must see its ops and what errors name.
 
 :data:`KINDS` is the one list of kinds, in the compiled loop's order (``Instr::Kind`` in
-``fxrt/_speedups/loop.h``). A kind is known in these places, and ``tests/test_kinds.py`` fails when
+``fxrt/_speedups/code.h``). A kind is known in these places, and ``tests/test_kinds.py`` fails when
 one of them lacks a kind of :data:`KINDS`:
 
 =====================================  ========================================================
@@ -42,7 +42,8 @@ one of them lacks a kind of :data:`KINDS`:
 ``fxrt/exec/native.py``                ``_BIND[kind]`` binds it to the compiled loop
 ``fxrt/_speedups/_loop.pyx``,          ``add_<kind>`` on the executor
 ``py_executor.h``
-``fxrt/_speedups/loop.h``              ``Instr::Kind`` and its ``case`` in the loop
+``fxrt/_speedups/code.h``,             ``Instr::Kind`` (code.h) and its ``case`` in the loop
+``loop.h``
 ``fxrt/deploy/program_data.py``        the package encoding (``kind`` in each instruction)
 ``csrc/src/program.cpp``               the C++ runtime's loader (it runs or refuses it by name)
 =====================================  ========================================================
@@ -213,7 +214,7 @@ SYM_OPS: dict[Any, str] = {
 }
 
 
-# Every kind, in the order of ``Instr::Kind`` (fxrt/_speedups/loop.h).
+# Every kind, in the order of ``Instr::Kind`` (fxrt/_speedups/code.h).
 KINDS: tuple[type, ...] = (
     Call,
     OutCall,

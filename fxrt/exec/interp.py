@@ -215,6 +215,8 @@ class PythonLoop:
         self.give_back(arena)
         return self.build_output(regs)
 
+    run = __call__  # the same as calling it (CompiledGraph runs a loop with ``run``)
+
     def run_observed(
         self,
         inputs: list[Any] | tuple[Any, ...],

@@ -123,10 +123,14 @@ def native_available() -> bool:
 
 if _status.usable:
     _Executor: type = _status.module.Executor
+    set_instrumenting = _status.module.set_instrumenting
 else:
 
     class _Executor:  # the base NativeLoop gets when there is no extension; it refuses to build
         pass
+
+    def set_instrumenting(on: bool) -> None:
+        """Without the extension there is no compiled loop to tell."""
 
 
 _VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4, "split": 5}
@@ -212,6 +216,14 @@ class NativeLoop(_Executor):
             [program.nodes[i.node].name if not isinstance(i, Free) else "" for i in program.code]
         )
         self._node_of_pc = tuple(-1 if isinstance(i, Free) else i.node for i in program.code)
+
+    def keep_inputs(self, positions: list[int]) -> None:
+        """The static inputs (parameters, buffers) by position: the frames keep their tensors
+        between calls (fxrt/_speedups/frames.h). The first call of this method decides; later
+        ones change nothing."""
+        if not getattr(self, "_kept", None) and positions:
+            self._kept = tuple(positions)
+            self.set_kept_inputs(list(positions))
 
     def _add(self, ins: Instr) -> str | None:
         """Add ``ins`` to the executor; None when added, else why it cannot be bound."""
@@ -318,4 +330,10 @@ def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
     return InputError("inputs do not match the compiled graph")  # not reached: same checks
 
 
-__all__ = ["ExtensionStatus", "NativeLoop", "extension_status", "native_available"]
+__all__ = [
+    "ExtensionStatus",
+    "NativeLoop",
+    "extension_status",
+    "native_available",
+    "set_instrumenting",
+]
