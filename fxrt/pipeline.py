@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .config import CompilerConfig
 from .dump import Dumper
@@ -203,21 +204,28 @@ def _builtin_pass(name: str) -> Callable[[Compilation], None]:
     fn = PASSES[name]
 
     def run(c: Compilation) -> None:
-        if fn is fold_constants:
-            foldable = None if c.owned_constants or c.config.freeze else frozenset()
-            max_bytes = c.config.fold_max_bytes or DEFAULT_MAX_BYTES
-            c.graph = fold_constants(c.graph, max_bytes, foldable=foldable)
-        elif fn is fuse_attention:
-            # Only where fxrt::attention will run the fused op: ATen's flash kernel costs more
-            # than the unfused ops at the sizes it is for.
-            if c.config.own_ops and FUSED_ATTENTION in own_ops_available():
-                c.graph = fuse_attention(c.graph)
-        elif fn is fuse_patterns:
-            c.graph = fuse_patterns(c.graph, c.config.disable_patterns, c.config.own_ops)
-        else:
-            c.graph = fn(c.graph)
+        # Outside any fake mode (AOTAutograd compiles its graphs under one): the constants a
+        # pass computes (a folded mask, fused attention's additive mask) are real tensors.
+        with unset_fake_temporarily():
+            _run_builtin(c, fn)
 
     return run
+
+
+def _run_builtin(c: Compilation, fn: Callable[[Graph], Graph]) -> None:
+    if fn is fold_constants:
+        foldable = None if c.owned_constants or c.config.freeze else frozenset()
+        max_bytes = c.config.fold_max_bytes or DEFAULT_MAX_BYTES
+        c.graph = fold_constants(c.graph, max_bytes, foldable=foldable)
+    elif fn is fuse_attention:
+        # Only where fxrt::attention will run the fused op: ATen's flash kernel costs more
+        # than the unfused ops at the sizes it is for.
+        if c.config.own_ops and FUSED_ATTENTION in own_ops_available():
+            c.graph = fuse_attention(c.graph)
+    elif fn is fuse_patterns:
+        c.graph = fuse_patterns(c.graph, c.config.disable_patterns, c.config.own_ops)
+    else:
+        c.graph = fn(c.graph)
 
 
 _PASS_STAGES = {

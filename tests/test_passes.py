@@ -176,6 +176,25 @@ def test_folded_causal_mask_in_a_training_graph(executor):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_fused_attention_mask_under_aot_autograds_fake_mode(executor):
+    """fxrt as AOTAutograd's compiler under inference mode: fuse_attention computes its additive
+    mask from the folded causal mask outside AOTAutograd's fake mode (it failed in bitwise_not
+    on a real tensor under the fake mode)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    model = DecoderBlock(32, 2).eval()
+    config = fxrt.CompilerConfig(pure_python=executor == "python", cache=False)
+    backend = aot_autograd(fw_compiler=fxrt.get_compiler(config))
+    with recording_compiles() as compiled, torch.inference_mode():
+        fn = torch.compile(model, backend=backend)
+        for _ in range(2):
+            x = torch.randn(1, 8, 32)
+            torch.testing.assert_close(fn(x), model(x))
+    assert {cg.executor for cg in compiled} == {executor}
+
+
 def test_fold_constants_never_folds_mutated_buffers():
     class M(torch.nn.Module):
         def __init__(self):

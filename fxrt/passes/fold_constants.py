@@ -7,9 +7,9 @@ results of earlier folds. Random factories are not pure and stay. A graph handed
 ``compile_graph`` holds the caller's weights as constants; those stay live (an in-place update
 after compiling changes the next result, and autograd reaches them) and are folded only when the
 user asks for ``freeze``, which promises that they never change. ``foldable`` says which constants
-may be folded (None: all). Folding runs with autograd off, outside inference mode and outside any
-fake mode (AOTAutograd compiles its graphs under one), so a folded constant is a plain, real
-tensor in every later grad mode.
+may be folded (None: all). Folding runs with autograd off and outside inference mode (and, as every
+built-in pass, outside any fake mode: fxrt.pipeline), so a folded constant is a plain, real tensor
+in every later grad mode.
 
 The results become constants the graph owns. Constants some node writes (a buffer updated in
 place) are never folded through, since their value changes from call to call. A result larger
@@ -24,7 +24,6 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..analysis.values import alias_roots, is_pure, mutated_alias_roots, output_alias_roots
 from ..ir.from_fx import tensor_meta
@@ -72,7 +71,7 @@ def fold_constants(
         args = map_refs(node.args, lambda r: known[r.id])
         kwargs = map_refs(node.kwargs, lambda r: known[r.id])
         try:
-            with unset_fake_temporarily(), torch.inference_mode(False), torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():
                 result = node.op.target(*args, **kwargs)
         except Exception:  # leave it to fail (or not) at run time, with the usual error
             kept.append(node)
