@@ -364,6 +364,8 @@ class LoadedModel:
         self._fast = all(k == "weight" for k in kinds[:n_w]) and all(
             k != "weight" for k in kinds[n_w:]
         )
+        # The weights are static inputs: the compiled loop keeps them between calls.
+        self._run = cg.entry([i for i, k in enumerate(kinds) if k == "weight"])
         leaf = iter(range(len(kinds)))
         self._gather = [
             ("w", s.weight) if s.kind == "weight" else ("u", next(leaf)) for s in sig.inputs
@@ -399,7 +401,7 @@ class LoadedModel:
         else:
             inputs = [weights[k] if w == "w" else leaves[k] for w, k in self._gather]
         try:
-            out = self.compiled(inputs)
+            out = self._run(inputs)
         except InputError:
             binder.check(leaves)  # names the input, its path, the dim and the range
             raise
