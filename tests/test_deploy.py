@@ -316,6 +316,54 @@ def test_derived_dims(executor: str, tmp_path: Path) -> None:
         m(torch.randn(4, 3), torch.randn(5, 3, 1))
 
 
+def test_calls_with_int_inputs_and_derived_dims_never_run_sympy(
+    executor: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Derived sizes are compiled once (fxrt.deploy.size_expr): a call evaluates no sympy
+    expression, and still names a broken relation."""
+    import sympy
+
+    n = Dim("n", min=2, max=64)
+    pkg = fxrt.export(
+        _Shifted(), (torch.randn(5, 3), torch.randn(6, 3)),
+        dynamic_shapes={"x": {0: n}, "y": {0: n + 1}},
+    )  # fmt: skip
+    pkg.save(tmp_path / "shifted.fxrt")
+    m = _load(tmp_path / "shifted.fxrt", executor)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call ran sympy")
+
+    monkeypatch.setattr(sympy.Basic, "xreplace", refuse)
+    monkeypatch.setattr(sympy.Basic, "subs", refuse)
+    for k in (3, 7):
+        x, y = torch.randn(k, 3), torch.randn(k + 1, 3)
+        torch.testing.assert_close(m(x, y), _Shifted()(x, y))
+    with pytest.raises(fxrt.InputError, match=r"input 'y' .*dim 0: size 3, expected s\d+ \+ 1 = 4"):
+        m(torch.randn(3, 3), torch.randn(3, 3))
+
+
+@pytest.mark.parametrize(
+    "expr",
+    ["s0 + 1", "2*s0", "(s0//2)", "s0 % 3", "Max(1, s0 - 4)", "Min(s0, s1) * 2 - 1",
+     "-s0 + 3*s1", "((s0 + s1)//(s1 + 1))", "s0*s1 + 7"],
+)  # fmt: skip
+def test_compiled_sizes_agree_with_sympy(expr: str) -> None:
+    import sympy
+
+    from fxrt.deploy.size_expr import compile_size
+
+    syms = {name: sympy.Symbol(name, integer=True) for name in ("s0", "s1")}
+    parsed = sympy.sympify(expr, locals=syms)
+    size = compile_size(expr)
+    for a in range(0, 12):
+        for b in range(1, 6):
+            want = parsed.xreplace({syms["s0"]: a, syms["s1"]: b})
+            assert size({"s0": a, "s1": b}) == int(want), (expr, a, b)
+    assert size({"s0": 3}) is None or "s1" not in expr  # an unbound symbol: not checked
+    assert compile_size("s0 + foo(1)")({"s0": 1}) is None  # outside the grammar: not checked
+
+
 def test_static_input_errors_name_the_input(w_packages) -> None:
     _, _, path = w_packages["W2"]
     m = fxrt.load(path)

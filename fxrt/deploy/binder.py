@@ -8,9 +8,10 @@ Each call:
 2. checks what the compiled graph does not (:meth:`Binder.quick`): each size symbol within its
    exported ``Dim`` range, each constant equal to the exported one, derived sizes, and each int
    input (a SymInt of the graph: an int, within its symbol's range, equal to the value a tensor
-   dimension bound the symbol to). Dtypes,
-   devices, ranks, static sizes, strides and symbols bound consistently across inputs are checked
-   by the compiled graph itself (:mod:`fxrt.exec.inputs`, in C++ on the compiled loop); when it
+   dimension bound the symbol to); derived sizes are computed by functions compiled once
+   (:mod:`fxrt.deploy.size_expr`, the C++ runtime's arithmetic), not sympy. Dtypes, devices,
+   ranks, static sizes, strides and symbols bound consistently across inputs are checked by the
+   compiled graph itself (:mod:`fxrt.exec.inputs`, in C++ on the compiled loop); when it
    refuses a call, :meth:`Binder.check` runs to name the input: its parameter name and path, the
    dimension, the symbol (and its ``Dim`` name) and the range;
 3. hands the leaves to :class:`fxrt.deploy.loaded.LoadedModel`, which puts the weights in front.
@@ -20,7 +21,6 @@ A Binder is built once per loaded package and holds no per-call state, so thread
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from ..exec.inputs import InputError
 from .signature import SYMBOL, InputSig, Signature, range_text
+from .size_expr import SizeFn, compile_size
 
 
 class Binder:
@@ -55,7 +56,7 @@ class Binder:
                 self.n_args = args_spec.num_children
         self.tensors: list[tuple[int, InputSig, torch.dtype, torch.device, tuple[Any, ...]]] = []
         self.constants: list[tuple[int, InputSig]] = []
-        self.derived: list[tuple[int, InputSig, int, Any]] = []  # (leaf, sig, dim, sympy expr)
+        self.derived: list[tuple[int, InputSig, int, SizeFn]] = []  # (leaf, sig, dim, size)
         self.symints: list[tuple[int, InputSig]] = []
         for leaf, s in enumerate(users):
             if s.kind == "tensor":
@@ -66,7 +67,7 @@ class Binder:
                     elif size in sig.ranges or SYMBOL.fullmatch(size):
                         dims.append((d, size, sig.ranges.get(size, (0, None))))
                     else:
-                        self.derived.append((leaf, s, d, _sympy(size)))
+                        self.derived.append((leaf, s, d, compile_size(size)))
                 dev = torch.device(s.device) if device is None else device
                 self.tensors.append((leaf, s, getattr(torch, s.dtype), dev, tuple(dims)))
             elif s.kind == "constant":
@@ -76,7 +77,7 @@ class Binder:
         # Int inputs whose value is a derived expression (not a bare symbol): checked once the
         # symbols are bound.
         self.derived_ints = [
-            (leaf, s, _sympy(s.shape[0]))
+            (leaf, s, compile_size(s.shape[0]))
             for leaf, s in self.symints
             if not (s.shape[0] in sig.ranges or SYMBOL.fullmatch(s.shape[0]))
         ]
@@ -90,6 +91,21 @@ class Binder:
             if any(r is not None for _, _, r in dims)
         )
         self.constant_values = tuple((leaf, s.value) for leaf, s in self.constants)
+        # With int inputs or derived sizes, each call binds the symbols where they first appear
+        # (a tensor dim, an int input) and checks the int inputs and derived sizes against them.
+        sites: dict[str, tuple[int, int | None]] = {}
+        for leaf, _, _, _, dims in self.tensors:
+            for d, want, rng in dims:
+                if rng is not None:
+                    sites.setdefault(want, (leaf, d))
+        self.int_checks = []
+        for leaf, s in self.symints:
+            want = s.shape[0]
+            if want in sig.ranges or SYMBOL.fullmatch(want):
+                sites.setdefault(want, (leaf, None))
+                lo, hi = sig.ranges.get(want, (0, None))
+                self.int_checks.append((leaf, want, lo, 2**63 if hi is None else hi))
+        self.sites = tuple((sym, leaf, d) for sym, (leaf, d) in sites.items())
         self.needs_quick = bool(self.ranged or self.constant_values or self.derived or self.symints)
 
     # -- structure
@@ -123,11 +139,30 @@ class Binder:
                 x = leaves[leaf]
                 if type(x) is not type(value) or x != value:
                     raise _Mismatch
+            if self.derived or self.symints:
+                self._quick_sizes(leaves)
         except (_Mismatch, AttributeError, IndexError, TypeError):
             self.check(leaves)
             raise InputError("fxrt: the call's inputs do not match the exported ones") from None
-        if self.derived or self.symints:
-            self.check(leaves)
+
+    def _quick_sizes(self, leaves: Sequence[Any]) -> None:
+        env = {}
+        for sym, leaf, d in self.sites:
+            x = leaves[leaf]
+            env[sym] = x if d is None else x.shape[d]
+        for leaf, want, lo, hi in self.int_checks:
+            x = leaves[leaf]
+            if type(x) is not int or x < lo or x > hi or env[want] != x:
+                raise _Mismatch
+        for leaf, _, d, size in self.derived:
+            want = size(env)
+            if want is not None and leaves[leaf].shape[d] != want:
+                raise _Mismatch
+        for leaf, _, size in self.derived_ints:
+            x = leaves[leaf]
+            want = size(env)
+            if type(x) is not int or (want is not None and x != want):
+                raise _Mismatch
 
     def check(self, leaves: Sequence[Any]) -> None:
         """Raise :class:`fxrt.InputError` for the first leaf that does not match."""
@@ -199,21 +234,19 @@ class Binder:
             self._check_derived(leaves, bound)
 
     def _check_derived(self, leaves: Sequence[Any], bound: dict[str, Any]) -> None:
-        import sympy
-
-        env = {sympy.Symbol(k, integer=True): v[0] for k, v in bound.items()}
-        for leaf, s, d, expr in self.derived:
+        env = {k: v[0] for k, v in bound.items()}
+        for leaf, s, d, size in self.derived:
             x = leaves[leaf]
-            want = expr.xreplace(env)
-            if want.is_Integer and x.shape[d] != int(want):
+            want = size(env)
+            if want is not None and x.shape[d] != want:
                 raise self._error(
-                    s, f"dim {d}: size {x.shape[d]}, expected {s.shape[d]} = {int(want)}", x
+                    s, f"dim {d}: size {x.shape[d]}, expected {s.shape[d]} = {want}", x
                 )
-        for leaf, s, expr in self.derived_ints:
+        for leaf, s, size in self.derived_ints:
             x = leaves[leaf]
-            want = expr.xreplace(env)
-            if want.is_Integer and x != int(want):
-                raise self._error(s, f"{x}, expected {s.shape[0]} = {int(want)}")
+            want = size(env)
+            if want is not None and x != want:
+                raise self._error(s, f"{x}, expected {s.shape[0]} = {want}")
 
     def _error(self, s: InputSig, what: str, x: Any = None) -> InputError:
         got = "" if x is None else f"; got {_describe(x)}"
@@ -227,18 +260,6 @@ class _Mismatch(Exception):
 
 def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
     return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
-
-
-def _sympy(expr: str) -> Any:
-    import sympy
-
-    # The expression passed fxrt.serialize's size-expression check (symbols, integers,
-    # arithmetic and a few sympy functions) when the signature was read.
-    return sympy.sympify(expr, locals={s: sympy.Symbol(s, integer=True) for s in _symbols(expr)})
-
-
-def _symbols(expr: str) -> set[str]:
-    return set(re.findall(r"[su]\d+", expr))
 
 
 def _dt(d: torch.dtype) -> str:
