@@ -13,6 +13,11 @@ interleaved (medians, µs per call):
                 wrappers fxrt's inference path leaves out
   eager         the model itself
 
+Then the per-call costs of the compiled loop called as torch.compile calls it
+(``CompiledGraph.entry``): an empty graph and a one-op graph (``x + 1`` on 4 floats), and the cost
+of each static input (a parameter the graph takes as an input), kept between calls (the inputs
+``torch.compile`` marks static: parameters, buffers) and not.
+
 Usage: python benchmarks/entry.py [--rounds N]
 """
 
@@ -23,6 +28,7 @@ import sys
 import warnings
 
 import torch
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import fxrt
@@ -64,6 +70,35 @@ def contenders(model: torch.nn.Module, inputs: tuple) -> tuple[dict, str]:
     return fns, cg.executor
 
 
+def fixed_costs(rounds: int) -> str:
+    """ns per call of an empty and a one-op graph, and per static input (kept and not)."""
+    import timeit
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def ns(f: object, n: int = 20000) -> float:
+        return min(timeit.repeat(f, number=n, repeat=rounds)) / n * 1e9
+
+    x = torch.randn(4)
+    one = fxrt.compile_graph(make_fx(lambda x: x + 1)(x), [x]).entry()
+    empty = fxrt.compile_graph(make_fx(lambda x: x)(x), [x]).entry()
+    lines = [
+        f"empty graph: {ns(lambda: empty([x])):.0f} ns per call; one op: "
+        f"{ns(lambda: one([x])):.0f} ns (eager x + 1: {ns(lambda: x + 1):.0f} ns)"
+    ]
+    for k in (16, 256):
+        ins = [x] + [nn.Parameter(torch.randn(4), requires_grad=False) for _ in range(k)]
+        gm = make_fx(lambda *a: a[0] + 1)(*ins)
+        plain = fxrt.compile_graph(gm, ins).entry()
+        kept = fxrt.compile_graph(gm, ins).entry(list(range(1, k + 1)))
+        base = ns(lambda: one([x]))
+        lines.append(
+            f"{k} static inputs: {(ns(lambda f=kept, a=ins: f(a)) - base) / k:.1f} ns each kept, "
+            f"{(ns(lambda f=plain, a=ins: f(a)) - base) / k:.1f} ns not kept"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -91,6 +126,8 @@ def main() -> int:
         "\nµs per call, medians; the last two columns are differences of the medians: "
         "torch.compile - loop, and CompiledGraph - loop (the frame torch.compile no longer calls)."
     )
+    with torch.inference_mode():
+        print("\nPer call, the compiled loop as torch.compile calls it:\n" + fixed_costs(9))
     return 0
 
 
