@@ -6,6 +6,8 @@ Per workload, in one process, interleaved, medians of rounds (``fxrt.bench.measu
   loop      torch.compile(model, backend="fxrt"): the compiled loop issues every op
   replay    torch.compile(model, backend="fxrt", mode="reduce-overhead"): one replay per call
             (inputs copied in and outputs cloned, the defaults)
+  own       the same replay's own host time: the compiled graph behind it called directly
+            with the inputs Dynamo passes it (Dynamo's frame evaluation and guards left out)
 
 each measured two ways: ``host``, the time until the call returns (what the host spends; the
 device runs behind it), and ``done``, the call plus a device synchronize (time to completion).
@@ -39,6 +41,7 @@ import torch._dynamo
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import fxrt  # noqa: E402
 from fxrt.bench import measure  # noqa: E402
 from fxrt.models import MLP, DecoderBlock, KVCacheDecoder  # noqa: E402
 
@@ -57,15 +60,42 @@ def workloads(device: str) -> dict[str, tuple[torch.nn.Module, tuple]]:
     }
 
 
-def competitors(model: torch.nn.Module, device: str) -> dict[str, Callable]:
+def competitors(model: torch.nn.Module, device: str) -> tuple[dict[str, Callable], dict]:
+    """The competitors, and ``seen``: the compiled graph behind the replay (``"cg"``) and the
+    flat inputs Dynamo calls it with (``"inputs"``), filled on the first call."""
     torch._dynamo.reset()
+    seen: dict[str, Any] = {}
+
+    def keeping(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        cg = fxrt.backend(gm, example_inputs, **kwargs)
+        seen["cg"] = cg
+
+        def call(*flat: Any) -> Any:
+            seen.setdefault("inputs", list(flat))
+            return cg(*flat)
+
+        return call
+
     fns = {
         "loop": torch.compile(copy.deepcopy(model), backend="fxrt", options={"cache": False}),
-        "replay": torch.compile(copy.deepcopy(model), backend="fxrt", mode="reduce-overhead"),
+        "replay": torch.compile(copy.deepcopy(model), backend=keeping, mode="reduce-overhead"),
     }
     if device == "cuda":
         fns["inductor replay"] = torch.compile(copy.deepcopy(model), mode="reduce-overhead")
-    return fns
+    return fns, seen
+
+
+def own_replay(seen: dict, clock: Callable[[], float]) -> Callable[[int], float]:
+    """A self-timed competitor: ``n`` calls of the compiled graph behind the replay, µs each."""
+    cg, flat = seen["cg"], seen["inputs"]
+
+    def batch(n: int) -> float:
+        t0 = clock()
+        for _ in range(n):
+            cg(flat)
+        return (clock() - t0) / n * 1e6
+
+    return batch
 
 
 def main() -> None:
@@ -96,7 +126,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with torch.inference_mode():
         for name, (model, inputs) in workloads(device).items():
-            fns = competitors(model, device)
+            fns, seen = competitors(model, device)
             # The decode step rewrites the same cache position from the same input on every
             # call, so every call's result is eager's.
             want = model(*inputs)
@@ -116,21 +146,24 @@ def main() -> None:
 
                 return call
 
-            host = measure(fns, inputs, args.rounds, clock=clock)
+            host = measure(
+                fns, inputs, args.rounds, clock=clock, batches={"own": own_replay(seen, clock)}
+            )
             module.synchronize()
             completion = measure({k: done(f) for k, f in fns.items()}, inputs, args.rounds)
             results[name] = {"host": host, "done": completion, "setup_s": setup_s}
             print(f"{name}: host {host}  done {completion}", file=sys.stderr)
     lines = [
-        "| workload | loop host us | replay host us | replay/loop host | loop done us "
-        "| replay done us | replay/loop done |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | loop host us | replay host us | replay/loop host | replay's own host us "
+        "| loop done us | replay done us | replay/loop done |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         h, d = r["host"], r["done"]
         lines.append(
             f"| {name} | {h['loop']:.1f} | {h['replay']:.1f} | {h['replay'] / h['loop']:.2f}x "
-            f"| {d['loop']:.1f} | {d['replay']:.1f} | {d['replay'] / d['loop']:.2f}x |"
+            f"| {h['own']:.1f} | {d['loop']:.1f} | {d['replay']:.1f} "
+            f"| {d['replay'] / d['loop']:.2f}x |"
         )
     lines.append("")
     lines.append("first three calls (compile, warmup, capture), s: " + "; ".join(

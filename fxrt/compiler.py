@@ -20,9 +20,10 @@ from .cache.lookup import cached_compile
 from .config import CompilerConfig
 from .exec.capture import CaptureReport, CaptureRunner
 from .exec.interp import PythonLoop
-from .exec.native import NativeLoop, native_available
+from .exec.native import NativeLoop, NativeReplayIndex, native_available
 from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
+from .exec.replays import ReplayIndex
 from .exec.streams import node_stream_labels
 from .ir import Graph, from_fx, graph_to_text
 from .modes import gc_paused, outside_inference_mode
@@ -86,6 +87,8 @@ class CompiledGraph:
                 # Captures allocate their arena in the graph pool and keep none between calls.
                 lambda: loop_class(self.program, arena_max_idle=0),
                 lambda sub, capture: _region_graph(sub, config, capture),
+                # The compiled loop's replays run in C++ too; the Python loop's are its twin's.
+                NativeReplayIndex if isinstance(self._loop, NativeLoop) else ReplayIndex,
             )
 
     def __call__(self, *args: Any) -> Any:

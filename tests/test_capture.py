@@ -16,7 +16,7 @@ import pytest
 import standin
 import torch
 import torch._dynamo
-from conftest import recording_compiles, skip_unless_executor
+from conftest import recording_compiles, run_in_threads, skip_unless_executor
 from test_standin_fxrt import _idle_device, to_cpu, to_device  # noqa: F401 - the fixture too
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -210,6 +210,29 @@ def test_dynamic_shapes_capture_per_size(dev, executor):
     report = cg.capture_report()
     assert [s.captured for s in report.signatures] == [True, True], str(report)
     assert sum(s.replays for s in report.signatures) == 4
+
+
+def test_threads_share_one_captured_graph(dev, executor):
+    """Eight threads call one compiled graph with inputs of their own, some of a second size
+    (its own signature): every result is eager's, and the calls replay."""
+    torch.manual_seed(0)
+    model = MLP(32, 2).eval()
+    f = compiled(copy.deepcopy(model).to(standin.name()), executor, dynamic=True)
+    with recording_compiles() as built, torch.no_grad():
+        f(to_device(torch.randn(2, 32)))  # compiles before the threads start
+
+        def work(seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            for step in range(6):
+                x = torch.randn(2 + (seed + step) % 2, 32, generator=gen)
+                with torch.no_grad():  # grad mode is per thread
+                    got = to_cpu(f(to_device(x)))
+                    torch.testing.assert_close(got, model(x))
+
+        run_in_threads(work)
+    report = only_graph(built).capture_report()
+    assert [s.captured for s in report.signatures] == [True, True], str(report)
+    assert sum(s.replays for s in report.signatures) > 30, str(report)
 
 
 def _graph(fn: Callable, *inputs: Any) -> torch.fx.GraphModule:

@@ -79,6 +79,25 @@ cdef extern from "py_executor.h":
         void set_kept_inputs(const vector[int64_t]& positions) except +set_python_error
 
 
+cdef extern from "replays.h" namespace "fxrt":
+    cdef cppclass CReplayIndex "fxrt::ReplayIndex":
+        CReplayIndex(object device) except +set_python_error
+        int64_t find(object inputs) except +set_python_error
+        int64_t add(object inputs) except +set_python_error
+        void arm(
+            int64_t id, object fixed, object copies, object replay, object leaves, object pool,
+            cbool clone, object build,
+        ) except +set_python_error
+        void disarm(int64_t id) except +set_python_error
+        object call(object inputs) except +set_python_error
+        int64_t replays(int64_t id) except +set_python_error
+        void clear()
+        int64_t last_id
+        cbool replayed
+        int64_t moved
+        int why
+
+
 cdef extern from "<ATen/record_function.h>" namespace "at":
     cbool hasCallbacks()
 
@@ -288,3 +307,56 @@ cdef class Executor:
 
 cdef _why(string why):
     return why.decode() if why.size() else None
+
+
+cdef class ReplayIndex:
+    """Whole-graph capture's per-call work in C++ (replays.h); fxrt.exec.replays.ReplayIndex is
+    its Python twin and documents the methods."""
+
+    cdef CReplayIndex* impl
+
+    def __cinit__(self, device):
+        self.impl = new CReplayIndex(device)
+
+    def __dealloc__(self):
+        del self.impl
+
+    def find(self, inputs):
+        return self.impl.find(inputs)
+
+    def add(self, inputs):
+        return self.impl.add(inputs)
+
+    def arm(self, int64_t id, fixed, copies, replay, leaves, pool, cbool clone, build):
+        self.impl.arm(id, fixed, copies, replay, leaves, pool, clone, build)
+
+    def disarm(self, int64_t id):
+        self.impl.disarm(id)
+
+    def call(self, inputs):
+        return self.impl.call(inputs)
+
+    def replays(self, int64_t id):
+        return self.impl.replays(id)
+
+    def clear(self):
+        self.impl.clear()
+
+    @property
+    def last_id(self):
+        return self.impl.last_id
+
+    @property
+    def replayed(self):
+        return self.impl.replayed
+
+    @property
+    def moved(self):
+        return self.impl.moved
+
+    @property
+    def why(self):
+        return _WHY[self.impl.why]
+
+
+_WHY = ("", "changed address", "changed storage size")

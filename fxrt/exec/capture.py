@@ -33,6 +33,10 @@ views of the caller's input, as in eager, either way.
 
 Replays of one compiled graph are serialized (a lock, and a call from another stream than the
 previous replay's waits for that stream), so threads may share it.
+
+What every call does (the signature, its lookup, and a replay: the fixed inputs' addresses, the
+copies, the stream, the replay and the outputs) is a ``ReplayIndex``: with the compiled loop the
+extension's C++ one, else its Python twin (:mod:`fxrt.exec.replays`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..analysis.streams import has_stream_ops
 from ..ir.graph import Graph
@@ -52,6 +56,7 @@ from .capture_report import CaptureReport, SignatureReport, copy_report
 from .device_graphs import GraphAPI, graph_api
 from .guards import fills_uninitialized_memory, torch_function_active
 from .program import Program
+from .replays import ReplayIndex, on_storage
 
 log = logging.getLogger("fxrt")
 
@@ -59,7 +64,8 @@ log = logging.getLogger("fxrt")
 class _Entry:
     """One signature's state."""
 
-    def __init__(self, report: SignatureReport, inputs: Sequence[Any]):
+    def __init__(self, id: int, report: SignatureReport, inputs: Sequence[Any]):
+        self.id = id  # in the runner's ReplayIndex
         self.report = report
         self.calls = 0
         self.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in inputs]
@@ -77,20 +83,6 @@ class _Entry:
                 self.stable[i] = False
 
 
-def _signature(inputs: Sequence[Any]) -> tuple:
-    # The storage's size is not part of it: a copy that takes the whole storage checks it.
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        *[
-            (x.dtype, x.device, x.shape, x.stride(), x.storage_offset())
-            if isinstance(x, torch.Tensor)
-            else (type(x), x)
-            for x in inputs
-        ],
-    )
-
-
 def _describe(inputs: Sequence[Any]) -> str:
     """The signature for people: the inputs that are not parameters, by position."""
     parts = []
@@ -105,12 +97,6 @@ def _describe(inputs: Sequence[Any]) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _on_storage(storage: torch.UntypedStorage, like: torch.Tensor, offset: int) -> torch.Tensor:
-    """A tensor with ``like``'s dtype, size and strides on ``storage`` at element ``offset``."""
-    t = torch.empty(0, dtype=like.dtype, device=like.device)
-    return t.set_(storage, offset, like.size(), like.stride())
-
-
 def _static_buffer(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A tensor with ``x``'s storage layout on a storage of its own, and whether a copy must
     take the whole storage (the view does not cover it densely)."""
@@ -119,13 +105,14 @@ def _static_buffer(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     whole = not (
         x.storage_offset() == 0 and x.is_contiguous() and x.numel() * x.element_size() == nbytes
     )
-    return _on_storage(storage, x, x.storage_offset()), whole
+    return on_storage(storage, x, x.storage_offset()), whole
 
 
 class CaptureRunner:
     """Runs a compiled graph's calls through device-graph capture and replay (see the module
     docstring). ``loop`` runs a call op by op; ``make_capture_loop()`` builds the loop that
-    captures (one that keeps no arena between calls)."""
+    captures (one that keeps no arena between calls); ``make_index(device)`` the call's
+    :class:`~fxrt.exec.replays.ReplayIndex`."""
 
     def __init__(
         self,
@@ -136,6 +123,7 @@ class CaptureRunner:
         loop: Callable[[Sequence[Any]], Any],
         make_capture_loop: Callable[[], Callable[[Sequence[Any]], Any]],
         make_region: Callable[[Graph, bool], Any],
+        make_index: Callable[[torch.device], Any] = ReplayIndex,
     ):
         self.name = name
         self.graph = graph
@@ -147,15 +135,15 @@ class CaptureRunner:
         self._regions: RegionRunner | None = None
         self._capture_loop: Callable[[Sequence[Any]], Any] | None = None
         self._lock = threading.Lock()
-        self._entries: dict[tuple, _Entry] = {}
-        self._order: list[_Entry] = []
+        self._make_index = make_index
+        self._index: Any = None  # made with the device, on the first call that may capture
+        self._order: list[_Entry] = []  # by id
         self._reason = "force_eager is set" if config.force_eager else ""
         self._blockers: dict[int, str] | None = None
         self._mutated: frozenset[int] | None = None
         self._api: GraphAPI | None = None
         self._pool: Any = None
         self._stream: Any = None
-        self._last_stream: Any = None
         self._constant_storages = {
             obj.untyped_storage().data_ptr()
             for obj in graph.constants.values()
@@ -169,19 +157,23 @@ class CaptureRunner:
             return self.loop(inputs)
         if self._regions is not None:
             return self._regions(inputs)
-        key = _signature(inputs)
+        index = self._index
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.graph is not None:
-                return self._replay(entry, inputs)
+            out = index.call(inputs)
+            if index.replayed:
+                return out
+            entry = self._order[index.last_id] if index.last_id >= 0 else None
+            if index.moved >= 0:
+                return self._recapture(entry, inputs, index.moved, index.why)
             if entry is None and self.config.capture_warmup == 0:
-                entry = self._new_entry(key, inputs)
+                entry = self._new_entry(inputs)
             ready = entry is not None and entry.calls >= self.config.capture_warmup
             if ready and not self._reason and not entry.report.reason:
                 return self._capture(entry, inputs)
         out = self.loop(inputs)  # bad inputs raise here, before a signature is kept
         with self._lock:
-            entry = self._entries.get(key) or self._new_entry(key, inputs)
+            found = index.find(inputs)
+            entry = self._order[found] if found >= 0 else self._new_entry(inputs)
             if entry is not None:
                 entry.observe(inputs)
                 entry.calls += 1
@@ -197,25 +189,33 @@ class CaptureRunner:
             isinstance(x, torch.Tensor) and x.requires_grad for x in inputs
         ):
             return False
-        if self._api is None:
-            devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
-            if not devices:
-                self._disable("the graph has no tensor input to say which device it runs on")
-                return False
-            device = next((d for d in devices if d.type != "cpu"), devices[0])
-            api = graph_api(device.type)
-            if isinstance(api, str):
-                self._disable(api)
-                return False
-            self._api = api
-            self._device = device
+        if self._index is None:
+            with self._lock:
+                return self._index is not None or self._find_device(inputs)
         return True
 
-    def _new_entry(self, key: tuple, inputs: Sequence[Any]) -> _Entry | None:
-        if len(self._entries) >= self.config.capture_limit:
+    def _find_device(self, inputs: Sequence[Any]) -> bool:
+        """On the first call: the device the graph runs on, its graph API and the index."""
+        devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
+        if not devices:
+            self._disable("the graph has no tensor input to say which device it runs on")
+            return False
+        device = next((d for d in devices if d.type != "cpu"), devices[0])
+        api = graph_api(device.type)
+        if isinstance(api, str):
+            self._disable(api)
+            return False
+        self._api = api
+        self._device = device
+        self._index = self._make_index(device)
+        return True
+
+    def _new_entry(self, inputs: Sequence[Any]) -> _Entry | None:
+        if len(self._order) >= self.config.capture_limit:
             self._disable(f"more than capture_limit={self.config.capture_limit} input signatures")
             return None
-        entry = self._entries[key] = _Entry(SignatureReport(_describe(inputs)), inputs)
+        entry = _Entry(self._index.add(inputs), SignatureReport(_describe(inputs)), inputs)
+        assert entry.id == len(self._order)
         self._order.append(entry)
         return entry
 
@@ -225,6 +225,7 @@ class CaptureRunner:
             self._reason = reason
             log.warning("fxrt capture: %s runs op by op from now on: %s", self.name, reason)
         for entry in self._order:
+            self._index.disarm(entry.id)
             entry.graph = None
             entry.report.captured = False
         self._pool = None
@@ -282,7 +283,31 @@ class CaptureRunner:
         report.copied_inputs = tuple(i for i, _, _ in copies)
         report.fixed_inputs = tuple(i for i, _ in fixed)
         log.info("fxrt capture: %s captured %s", self.name, report.signature)
-        return self._replay(entry, inputs, copied=True)
+        self._arm(entry)
+        out = self._index.call(inputs)  # the first replay
+        assert self._index.replayed, "a signature just captured replays"
+        return out
+
+    def _arm(self, entry: _Entry) -> None:
+        """Hand the capture of ``entry`` to the index, which replays it from now on."""
+        spec, plan, pool = entry.outputs
+        clone = self.config.clone_output
+        leaves = [
+            ("value", item[1]) if item[0] in ("value", "const")
+            else ("value", item[2]) if item[0] == "pool" and not clone
+            else item
+            for item in plan
+        ]  # fmt: skip
+        self._index.arm(
+            entry.id,
+            list(entry.fixed),
+            list(entry.copies),
+            entry.graph.replay,
+            leaves,
+            list(pool),
+            clone,
+            _builder(spec),
+        )
 
     def _split(self) -> None:
         """Some nodes cannot be captured: capture the regions between them (or, when no node
@@ -359,23 +384,6 @@ class CaptureRunner:
             else:
                 static.copy_(x)
 
-    def _replay(self, entry: _Entry, inputs: Sequence[Any], copied: bool = False) -> Any:
-        for i, ptr in entry.fixed:
-            if inputs[i].data_ptr() != ptr:
-                return self._recapture(entry, inputs, i)
-        for i, static, whole in entry.copies:
-            if whole and inputs[i].untyped_storage().nbytes() != static.untyped_storage().nbytes():
-                return self._recapture(entry, inputs, i, "changed storage size")
-        stream = torch.accelerator.current_stream(self._device)
-        if self._last_stream is not None and stream != self._last_stream:
-            stream.wait_stream(self._last_stream)
-        self._last_stream = stream
-        if not copied:
-            self._copy_in(entry, inputs)
-        entry.graph.replay()
-        entry.report.replays += 1
-        return self._outputs(entry, inputs)
-
     def _recapture(
         self, entry: _Entry, inputs: Sequence[Any], moved: int, why: str = "changed address"
     ) -> Any:
@@ -383,6 +391,7 @@ class CaptureRunner:
         if report.captures >= self.config.capture_limit:
             report.reason = f"input {moved} {why} {report.captures} times"
             report.captured = False
+            self._index.disarm(entry.id)
             entry.graph = None
             report.loop_calls += 1
             return self.loop(inputs)
@@ -395,33 +404,18 @@ class CaptureRunner:
             moved,
             why,
         )
+        self._index.disarm(entry.id)
         entry.graph.reset()
         entry.graph = entry.outputs = None
         entry.pool_buffers = ()
         return self._capture(entry, inputs)
 
-    def _outputs(self, entry: _Entry, inputs: Sequence[Any]) -> Any:
-        spec, plan, pool = entry.outputs
-        clones = [b.clone() for b in pool] if self.config.clone_output else None
-        leaves = []
-        for item in plan:
-            kind = item[0]
-            if kind == "value" or kind == "const":
-                leaves.append(item[1])
-            elif kind == "input":
-                _, i, t = item
-                leaves.append(_on_storage(inputs[i].untyped_storage(), t, t.storage_offset()))
-            elif clones is None:
-                leaves.append(item[2])
-            else:
-                _, k, t = item
-                leaves.append(_on_storage(clones[k].untyped_storage(), t, t.storage_offset()))
-        return tree_unflatten(leaves, spec)
-
     # -- the compiled graph's API -----------------------------------------------------------
 
     def report(self) -> CaptureReport:
         with self._lock:
+            for e in self._order:
+                e.report.replays = self._index.replays(e.id)
             report = CaptureReport(
                 self.name, True, self._reason, [copy_report(e.report) for e in self._order]
             )
@@ -435,12 +429,22 @@ class CaptureRunner:
             for entry in self._order:
                 if entry.graph is not None:
                     entry.graph.reset()
-            self._entries.clear()
+            if self._index is not None:
+                self._index.clear()
             self._order.clear()
             self._pool = None
             self._capture_loop = None
             if self._regions is not None:
                 self._regions.release()
+
+
+def _builder(spec: Any) -> Callable[[list], Any]:
+    """What makes a call's outputs from the list of their leaves: ``tuple`` or ``list`` for a
+    tuple or list of leaves (as Dynamo's graphs return), else the structure's own unflatten."""
+    children = range(spec.num_children)
+    if spec.type in (tuple, list) and all(spec.child(i).is_leaf() for i in children):
+        return spec.type
+    return spec.unflatten
 
 
 def _first_cause(e: BaseException) -> str:

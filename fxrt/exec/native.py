@@ -124,6 +124,7 @@ def native_available() -> bool:
 if _status.usable:
     _Executor: type = _status.module.Executor
     set_instrumenting = _status.module.set_instrumenting
+    NativeReplayIndex: type | None = _status.module.ReplayIndex  # see fxrt.exec.replays
 else:
 
     class _Executor:  # the base NativeLoop gets when there is no extension; it refuses to build
@@ -131,6 +132,8 @@ else:
 
     def set_instrumenting(on: bool) -> None:
         """Without the extension there is no compiled loop to tell."""
+
+    NativeReplayIndex = None
 
 
 _VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4, "split": 5}
@@ -333,6 +336,7 @@ def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
 __all__ = [
     "ExtensionStatus",
     "NativeLoop",
+    "NativeReplayIndex",
     "extension_status",
     "native_available",
     "set_instrumenting",
