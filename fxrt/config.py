@@ -100,7 +100,9 @@ class CompilerConfig:
             Default from ``FXRT_ARENA_MAX_IDLE`` (2). ``CompiledGraph.release_memory()`` frees
             them all.
         own_ops: use fxrt's own CPU ops where ATen's kernel choice costs more host time than
-            the math (``aten::gelu`` on small float32 tensors; see :mod:`fxrt.ops.own_ops`).
+            the math (``aten::gelu`` on small float32 tensors; see :mod:`fxrt.ops.own_ops`), and
+            the compiled loop's own loops for small float32 add, sub, mul and relu
+            (:mod:`fxrt.exec.elementwise`).
             Default from ``FXRT_OWN_OPS`` (on). ``native_kernels`` and ``FXRT_NATIVE_KERNELS``
             are its deprecated old names.
         disable_patterns: names of fused patterns (:mod:`fxrt.patterns`) not to apply, built-in

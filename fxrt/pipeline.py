@@ -197,7 +197,14 @@ def _plan_arena(c: Compilation) -> None:
 
 
 def _lower(c: Compilation) -> None:
-    c.program = lower(c.graph, c.plan, c.arena, c.views, check_inputs=c.config.check_inputs)
+    c.program = lower(
+        c.graph,
+        c.plan,
+        c.arena,
+        c.views,
+        check_inputs=c.config.check_inputs,
+        elementwise=c.config.own_ops,
+    )
 
 
 def _builtin_pass(name: str) -> Callable[[Compilation], None]:

@@ -295,6 +295,33 @@ def test_forged_programs(runner: Any, w_packages, tmp_path: Path) -> None:
             fxrt.load(blob)
 
 
+def test_forged_elementwise_forms(runner: Any, w_packages, tmp_path: Path) -> None:
+    """W1's package stores inline elementwise forms; one that names no form, or another op's,
+    is refused by the C++ runtime (it would compute the wrong op) and by fxrt.load."""
+    data = w_packages["W1"][2].read_bytes()
+    forms = [i for i in _sections(data)[0]["program"]["code"] if i.get("elementwise")]
+    assert {i["elementwise"] for i in forms} == {"add", "mul", "clamp_min"}, forms[:3]
+
+    def on(op: str, form: str) -> Any:
+        def change(m: Any) -> None:
+            ins = next(i for i in m["program"]["code"] if i.get("out_op") == op)
+            ins["elementwise"] = form
+
+        return change
+
+    cases = [
+        (on("aten::add.out", "div"), "no elementwise form div"),
+        (on("aten::add.out", "mul"), "the elementwise form mul of another op"),
+        (on("aten::sin.out", "add"), "the elementwise form add of another op"),
+    ]
+    blobs = [_forge(data, change) for change, _ in cases]
+    for (outcome, msg), (_, match) in zip(_check(runner, blobs, tmp_path), cases):
+        assert outcome == "refused" and match in msg, (match, outcome, msg)
+    for blob in blobs:
+        with pytest.raises(fxrt.PackageError):
+            fxrt.load(blob)
+
+
 def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> None:
     """Random mutations of the manifest (program included) and weights header, re-hashed: the
     C++ runtime refuses them or runs them to a clean error, never crashes."""

@@ -46,7 +46,7 @@ def test_chain_frees_each_intermediate_after_its_last_use():
         program(%x_1, %w_1): 9 registers
           arena  128 bytes, 3 slots
              0  OUT    %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
-             1  OUT    %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu)
+             1  OUT    %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu) (inline clamp_min)
              2  FREE   %mm
              3  VIEW   %t = aten::t(%relu) (inline)
              4  OUT    %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out

@@ -161,7 +161,17 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
           op(member(ins, "out_op", at), at), member(ins, "out_args", at),
           member(ins, "out_kwargs", at), outputs, false, regs, at + ": out= form");
       regs.allow(-1);
-      exec->add_out_op({std::move(call), std::move(out), slot});
+      OutOp op{std::move(call), std::move(out), slot};
+      if (const json::Value* form = ins.find("elementwise")) {
+        std::string why;
+        std::optional<Elementwise> e =
+            bind_elementwise(op.out, string(*form, at + ": elementwise"), why);
+        if (!e.has_value()) {
+          fail(at + ": " + why);
+        }
+        op.elementwise = *e;
+      }
+      exec->add_out_op(std::move(op));
     } else if (kind == "ALLOC") {
       int64_t slot = integer(member(ins, "slot", at), at + ": slot", -1,
                              static_cast<int64_t>(slots.size()) - 1);

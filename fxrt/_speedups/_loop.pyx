@@ -45,6 +45,7 @@ cdef extern from "py_executor.h":
         string add_out(
             object plain, int64_t slot,
             object out_name, object out_overload, object out_args, object out_kwargs,
+            const string& elementwise,
         ) except +set_python_error
         string add_alloc(object plain, int64_t slot, cbool cpu) except +set_python_error
         string add_view(
@@ -177,12 +178,13 @@ cdef class Executor:
 
     def add_out(
         self, tuple plain, int64_t slot,
-        str out_name, str out_overload, tuple out_args, dict out_kwargs,
+        str out_name, str out_overload, tuple out_args, dict out_kwargs, str elementwise="",
     ):
         """OUT: the plain form, and on calls with an arena ``out_name.out_overload(*out_args,
-        **out_kwargs)`` writing slot ``slot`` (its ``out`` reads the result register)."""
+        **out_kwargs)`` writing slot ``slot`` (its ``out`` reads the result register), or its
+        inline ``elementwise`` form when the tensors allow (elementwise.h)."""
         return _why(self._impl().add_out(
-            plain, slot, out_name, out_overload, out_args, out_kwargs
+            plain, slot, out_name, out_overload, out_args, out_kwargs, elementwise.encode()
         ))
 
     def add_alloc(self, tuple plain, int64_t slot, cbool cpu):

@@ -138,12 +138,23 @@ struct CallOp {
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
 };
 
+// OUT's inline elementwise form (elementwise.h), kind NONE when it has none.
+struct Elementwise {
+  enum Kind : uint8_t { NONE, ADD, SUB, MUL, CLAMP_MIN };
+  Kind kind = NONE;
+  int64_t a = -1;  // register of the first operand
+  int64_t b = -1;  // register of the second, or -1: the number `scalar`
+  float scalar = 0.0f;
+};
+
 // OUT: with an arena, the result register gets slot `slot`'s tensor and `out` (the out= form,
-// whose `out` argument reads that register) writes it; without an arena, `call`.
+// whose `out` argument reads that register) writes it, or `elementwise` when it can; without an
+// arena, `call`.
 struct OutOp {
   CallOp call;
   CallOp out;
   int64_t slot = -1;
+  Elementwise elementwise;
 };
 
 // ALLOC: with an arena and a slot, the slot's tensor is the result; else `cpu` (a constant CPU

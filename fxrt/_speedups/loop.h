@@ -33,6 +33,7 @@
 #include "arena_pool.h"
 #include "call.h"
 #include "code.h"
+#include "elementwise.h"
 #include "guards.h"
 #include "inline_ops.h"
 #include "inputs.h"
@@ -370,7 +371,12 @@ class Executor : public Code {
         gil.release();
         const OutOp& op = outs_[ins.index];
         if (arena != nullptr) {
-          regs[static_cast<size_t>(op.call.outputs[0])] = (*arena)[static_cast<size_t>(op.slot)];
+          const at::Tensor& slot = (*arena)[static_cast<size_t>(op.slot)];
+          regs[static_cast<size_t>(op.call.outputs[0])] = slot;
+          if (op.elementwise.kind != Elementwise::NONE &&
+              run_elementwise(op.elementwise, regs, slot)) {
+            return;
+          }
           try {
             run_call(op.out, regs, stack, gil);
             return;

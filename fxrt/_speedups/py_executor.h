@@ -65,14 +65,15 @@ class PyExecutor : public Executor {
   }
 
   // OUT: the plain form, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
-  // writing arena slot `slot`.
+  // writing arena slot `slot`; `elementwise` names its inline form (elementwise.h), if any.
   std::string add_out(
       PyObject* plain,
       int64_t slot,
       PyObject* out_name,
       PyObject* out_overload,
       PyObject* out_args,
-      PyObject* out_kwargs) {
+      PyObject* out_kwargs,
+      const std::string& elementwise) {
     Plain p(plain);
     std::string why;
     std::optional<CallOp> call = bind(p, false, why);
@@ -85,8 +86,16 @@ class PyExecutor : public Executor {
     if (!out.has_value()) {
       return "out= form: " + why;
     }
+    OutOp op{std::move(*call), std::move(*out), slot};
+    if (!elementwise.empty()) {
+      std::optional<Elementwise> form = bind_elementwise(op.out, elementwise, why);
+      if (!form.has_value()) {
+        return why;
+      }
+      op.elementwise = *form;
+    }
     add_form(p, false);
-    add_out_op({std::move(*call), std::move(*out), slot});
+    add_out_op(std::move(op));
     return "";
   }
 

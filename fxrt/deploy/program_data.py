@@ -13,7 +13,8 @@ altered is refused in Python too, not only run differently in C++)::
     nodes      node name per node index (errors name nodes)
     code       one object per instruction, in order, "kind" first:
                CALL    node, op, args, kwargs, outputs, multi
-               OUT     as CALL, and slot, out_op, out_args, out_kwargs
+               OUT     as CALL, and slot, out_op, out_args, out_kwargs; elementwise (add,
+                       sub, mul, clamp_min: fxrt.exec.elementwise) when it has that form
                ALLOC   as CALL, and slot, cpu
                VIEW    as CALL, and view, ints, strides, offset, always
                SYM     node, op (add, mul, ...: fxrt.exec.program.SYM_OPS), args, outputs
@@ -103,6 +104,8 @@ def encode_program(program: Program) -> dict[str, Any]:
                 out_args=w.arg(ins.out_args, where),
                 out_kwargs=w.arg(ins.out_kwargs, where),
             )
+            if ins.elementwise:
+                d["elementwise"] = ins.elementwise
         elif isinstance(ins, Alloc):
             d.update(slot=ins.slot, cpu=ins.cpu)
         elif isinstance(ins, Stream):

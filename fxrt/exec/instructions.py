@@ -97,12 +97,15 @@ class Call(Step):
 @dataclass(frozen=True, slots=True)
 class OutCall(Call):
     """OUT: with an arena, ``out_target(*out_args, **out_kwargs)`` writes slot ``slot``; its
-    ``out`` kwarg reads the result register, which holds the slot's tensor by then."""
+    ``out`` kwarg reads the result register, which holds the slot's tensor by then. With
+    ``elementwise``, the compiled loop writes it with a loop of its own when the tensors allow."""
 
     KIND: ClassVar[str] = "OUT"
     out_target: Any = None
     out_args: tuple[Any, ...] = ()
     out_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The compiled loop's inline form of the out= call (fxrt.exec.elementwise), "" for none.
+    elementwise: str = ""
 
 
 @dataclass(frozen=True, slots=True)

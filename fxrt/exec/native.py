@@ -281,6 +281,7 @@ def _bind_out(ex: NativeLoop, ins: OutCall) -> str | None:
         out.overload_name,
         tuple(ins.out_args),
         dict(ins.out_kwargs),
+        ins.elementwise,
     )
 
 

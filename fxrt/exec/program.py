@@ -29,6 +29,7 @@ from ..ir.graph import Graph, Op, OpKind, Ref, refs_in
 from ..ir.printer import format_arg, format_call
 from ..ops.c_kernels import INT, CKernel
 from .arena import ArenaPlan
+from .elementwise import elementwise_form
 from .guards import CallGuards
 from .inputs import InputSpec, input_specs
 from .instructions import (
@@ -101,10 +102,12 @@ def lower(
     views: frozenset[int] = frozenset(),
     *,
     check_inputs: bool = True,
+    elementwise: bool = True,
 ) -> Program:
     """Emit the instruction tuple for ``graph``: the kind of each node's instruction, the FREEs
     ``plan`` places, the arena slots ``arena`` assigns, the views (node indices) made inline on
-    calls with an arena, and the per-call guards."""
+    calls with an arena, the OUTs with an inline elementwise form (with ``elementwise``:
+    :mod:`fxrt.exec.elementwise`), and the per-call guards."""
     code: list[Instr] = []
     infos: list[NodeInfo] = []
     slot_of = arena.slot_of() if arena is not None else {}
@@ -115,7 +118,7 @@ def lower(
         if i in steps:
             code.append(_stream_instruction(node, i, steps[i]))
         else:
-            code.append(_instruction(graph, arena, slot_of, i, i in views))
+            code.append(_instruction(graph, arena, slot_of, i, i in views, elementwise))
         if plan.frees[i]:
             code.append(Free(plan.frees[i]))
     constants = tuple(graph.constants.items())
@@ -151,7 +154,12 @@ def _stream_instruction(node: Any, i: int, step: StreamStep) -> Stream:
 
 
 def _instruction(
-    graph: Graph, arena: ArenaPlan | None, slot_of: dict[int, int], i: int, inline_view: bool
+    graph: Graph,
+    arena: ArenaPlan | None,
+    slot_of: dict[int, int],
+    i: int,
+    inline_view: bool,
+    elementwise: bool,
 ) -> Instr:
     node = graph.nodes[i]
     args = (i, node.op.target, node.args, dict(node.kwargs), tuple(node.outputs), node.multi)
@@ -169,7 +177,12 @@ def _instruction(
         if s.out_target is None:
             return Alloc(*args, slot=slot, cpu=_cpu_empty_strided(name, node.args, node.kwargs))
         return OutCall(
-            *args, slot=slot, out_target=s.out_target, out_args=s.out_args, out_kwargs=s.out_kwargs
+            *args,
+            slot=slot,
+            out_target=s.out_target,
+            out_args=s.out_args,
+            out_kwargs=s.out_kwargs,
+            elementwise=elementwise_form(graph, s) if elementwise else "",
         )
     if name == "aten::empty_strided" and _cpu_empty_strided(name, node.args, node.kwargs):
         return Alloc(*args, cpu=True)
@@ -317,9 +330,11 @@ def _suffix(program: Program, ins: Instr, names: dict[int, str]) -> str:
         text = f" -> arena[{slot.offset}:{slot.offset + slot.nbytes}]"
         if isinstance(ins, OutCall):
             out_name = Op.of(ins.out_target).name
+            inline = f" (inline {ins.elementwise})" if ins.elementwise else ""
             if ins.out_args == ins.args:  # the same arguments, then out=
-                return text + f" via {out_name}"
-            return text + " via " + format_call(out_name, ins.out_args, ins.out_kwargs, names)
+                return text + f" via {out_name}" + inline
+            via = format_call(out_name, ins.out_args, ins.out_kwargs, names)
+            return text + " via " + via + inline
         return text + (" (cpu)" if isinstance(ins, Alloc) and ins.cpu else "")
     if isinstance(ins, Alloc) and ins.cpu:
         return " (cpu)"
