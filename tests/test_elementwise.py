@@ -5,9 +5,11 @@ lengths with and without a vector tail, and calls whose tensors the form does no
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from conftest import skip_unless_executor
+from conftest import run_child, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -135,3 +137,35 @@ def test_the_compiled_loop_writes_them_without_the_dispatcher(executor):
     assert "aten::sin" in names, names
     inline = {"aten::add", "aten::mul"} & set(names)
     assert inline == (set() if executor == "cpp" else {"aten::add", "aten::mul"}), names
+
+
+def test_bound_under_aot_autograds_fake_mode(executor, tmp_path):
+    """AOTAutograd calls fxrt under its fake mode; binding a number operand of an inline form
+    read it through item(), which the fake mode refused, and the compile failed. In a fresh
+    process: what this test session has run before hid the failure."""
+    skip_unless_executor(executor)
+    result = run_child(
+        """
+        import json, torch, fxrt
+        from torch._dynamo.backends.common import aot_autograd
+        from conftest import recording_compiles
+        from test_elementwise import adversarial, bitwise_equal
+
+        def fn(x):
+            return torch.sin(torch.relu(x * 0.5 + 1.0))
+
+        backend = aot_autograd(fw_compiler=fxrt.get_compiler(), keep_inference_input_mutations=True)
+        f = torch.compile(fn, backend=backend)
+        with recording_compiles() as built, torch.inference_mode():
+            for seed in range(2):
+                x = adversarial(4, 24, seed=seed)
+                bitwise_equal(f(x), fn(x))
+        print(json.dumps({"listing": str(built[0].program), "executor": built[0].executor}))
+        """,
+        tmp_path,
+        executor,
+        env={"PYTHONPATH": os.path.dirname(__file__)},
+    )
+    assert result["executor"] == executor
+    listing = result["listing"]
+    assert "(inline add)" in listing and "PYCALL" not in listing, listing

@@ -81,10 +81,17 @@ inline std::optional<double> number(const BoundArg& arg) {
     return static_cast<double>(v.toInt());
   }
   if (v.isTensor()) {
+    // Read where it lies, not through item(): binding may run under a dispatch mode (AOTAutograd
+    // compiles under its fake mode), which must not see this.
     const at::Tensor& t = v.toTensor();
-    if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number() &&
-        (t.scalar_type() == at::kDouble || t.scalar_type() == at::kLong)) {
-      return t.item<double>();
+    if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu() &&
+        t.has_storage() && t.numel() == 1) {
+      if (t.scalar_type() == at::kDouble) {
+        return *t.const_data_ptr<double>();
+      }
+      if (t.scalar_type() == at::kLong) {
+        return static_cast<double>(*t.const_data_ptr<int64_t>());
+      }
     }
   }
   return std::nullopt;
