@@ -127,6 +127,13 @@ def test_a_kept_input_changed_in_place_is_still_checked(executor):
         run([w, x])
     w.data = torch.randn(4, 4)
     torch.testing.assert_close(run([w, x]), x @ w)
+    # Why the check is not a pointer/version fast path: .data keeps the tensor, its data pointer
+    # and its version counter, and changes its sizes.
+    ptr, version = w.data_ptr(), w._version
+    w.data = w.data.view(2, 8)
+    assert (w.data_ptr(), w._version) == (ptr, version)
+    with pytest.raises(InputError, match=r"input 0 .*got float32\[2, 8\]"):
+        run([w, x])
 
 
 @pytest.mark.skipif(not native_available(), reason="the compiled loop is not built")
