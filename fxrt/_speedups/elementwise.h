@@ -10,6 +10,7 @@
 //
 // run_elementwise() checks the actual tensors (plain, float32, CPU, contiguous, the sizes the
 // form was made for) and returns false when anything differs; the loop then runs the out= op.
+// It runs on calls with an arena only, which no dispatch mode sees (CallGuards).
 #pragma once
 
 #include "call_op.h"
@@ -99,7 +100,7 @@ inline std::optional<double> number(const BoundArg& arg) {
 
 // Whether `t` is a float32 CPU tensor that the loop reads as dense memory.
 inline bool dense_float(const at::Tensor& t) {
-  return plain_tensor(t) && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
+  return plain_layout(t) && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
       t.is_contiguous();
 }
 

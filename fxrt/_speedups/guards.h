@@ -11,7 +11,6 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -47,9 +46,11 @@ class CallGuards {
   }
 
   // Whether a call on `regs` (the graph inputs in registers `inputs`) may use an arena.
-  bool arena_allowed(const std::vector<c10::IValue>& regs, const std::vector<int64_t>& inputs)
-      const {
-    if (c10::impl::TorchDispatchModeTLS::any_modes_set() || fills_uninitialized_memory()) {
+  bool arena_allowed(
+      const std::vector<c10::IValue>& regs,
+      const std::vector<int64_t>& inputs,
+      CallModes modes) const {
+    if (modes.dispatch || modes.fill) {
       return false;  // a dispatch mode must see the graph's own ops; new memory is filled
     }
     if (c10::GradMode::is_enabled()) {

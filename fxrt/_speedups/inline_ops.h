@@ -23,20 +23,18 @@
 
 namespace fxrt {
 
-// A tensor the dispatcher would hand straight to its CPU (or other backend) kernel: no dispatch
-// mode active, no subclass, no functional wrapper, and strided with a storage.
-inline bool plain_tensor(const at::Tensor& self) {
-  if (c10::impl::TorchDispatchModeTLS::any_modes_set()) {
-    return false;
-  }
+// A tensor the dispatcher would hand straight to its CPU (or other backend) kernel, dispatch
+// modes aside: no subclass, no functional wrapper, and strided with a storage.
+inline bool plain_layout(const at::Tensor& self) {
   // Functionality keys only: a backend key such as Meta would also match every dense tensor.
   constexpr c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
   return self.defined() && self.layout() == c10::kStrided && self.has_storage() &&
       !self.key_set().has_any(wrapped);
 }
 
-inline bool plain_tensor(const IValue& v) {
-  return v.isTensor() && plain_tensor(v.toTensor());
+// The same, and no dispatch mode active (what an op called through the dispatcher checks).
+inline bool plain_tensor(const at::Tensor& self) {
+  return !c10::impl::TorchDispatchModeTLS::any_modes_set() && plain_layout(self);
 }
 
 // A new TensorImpl on `self`'s storage with the given geometry, as ATen's CPU view kernels make
@@ -91,11 +89,21 @@ inline bool fills_uninitialized_memory() {
       at::globalContext().deterministicFillUninitializedMemory();
 }
 
+// The thread's modes the inline forms depend on, read once per call (the loop's workers for
+// CPU streams get the caller's).
+struct CallModes {
+  bool dispatch = false;  // a TorchDispatchMode is active: it must see the graph's own ops
+  bool fill = false;  // new memory must be filled (fills_uninitialized_memory)
+
+  static CallModes current() {
+    return {c10::impl::TorchDispatchModeTLS::any_modes_set(), fills_uninitialized_memory()};
+  }
+};
+
 // ALLOC's cpu form: aten::empty_strided's CPU kernel is at::detail::empty_strided_cpu; made
 // directly, as Inductor's own empty_strided_cpu helper does (about 1 us less per allocation).
-inline bool run_cpu_empty(const AllocOp& alloc, std::vector<IValue>& regs) {
-  if (!alloc.cpu.has_value() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
-      fills_uninitialized_memory()) {
+inline bool run_cpu_empty(const AllocOp& alloc, std::vector<IValue>& regs, CallModes modes) {
+  if (!alloc.cpu.has_value() || modes.dispatch || modes.fill) {
     return false;
   }
   const AllocOp::CpuEmpty& e = *alloc.cpu;
@@ -156,9 +164,9 @@ inline bool run_split(const ViewOp& view, const at::Tensor& self, std::vector<IV
 
 // A VIEW; false when the plain call must run it (not a plain tensor, a view the sizes cannot
 // express, a dimension out of range: it then raises the op's own error).
-inline bool run_view(const ViewOp& view, std::vector<IValue>& regs) {
+inline bool run_view(const ViewOp& view, std::vector<IValue>& regs, CallModes modes) {
   const IValue& v = regs[static_cast<size_t>(view.self)];
-  if (!plain_tensor(v)) {
+  if (modes.dispatch || !v.isTensor() || !plain_layout(v.toTensor())) {
     return false;
   }
   const at::Tensor& self = v.toTensor();

@@ -151,15 +151,16 @@ class Executor : public Code {
       std::vector<int64_t>* timings,
       bool ranges) const {
     bool inference = c10::InferenceMode::is_enabled();
+    const CallModes modes = CallModes::current();  // read once: every instruction uses these
     int64_t stream = arena_factory_ ? stream_key(arena_device_) : 0;
-    std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference, stream);
+    std::unique_ptr<Arena> arena = Python ? nullptr : take_arena(regs, inference, stream, modes);
     std::optional<DeviceCall> device_call;  // a multi-stream call on a device (streams.h)
     DeviceCall* dev = nullptr;
     size_t pc = 0;
     try {
       if (!Python && streams_.multi()) {
         if (streams_.on_cpu()) {
-          run_cpu_streams<Timed>(regs, arena.get(), forms, timings, ranges, pc);
+          run_cpu_streams<Timed>(regs, arena.get(), forms, modes, timings, ranges, pc);
           pc = code_.size();
         } else {
           device_call.emplace(
@@ -171,19 +172,19 @@ class Executor : public Code {
         const Instr& ins = code_[pc];
         if constexpr (Timed) {
           if (ins.kind == Instr::FREE) {
-            step<Python>(pc, regs, stack, gil, nullptr, forms, dev);
+            step<Python>(pc, regs, stack, gil, nullptr, forms, modes, dev);
             continue;
           }
           std::optional<at::RecordFunction> range;
           open_range(range, pc, ranges);
           int64_t t0 = now_ns();
-          step<Python>(pc, regs, stack, gil, arena.get(), forms, dev);
+          step<Python>(pc, regs, stack, gil, arena.get(), forms, modes, dev);
           int64_t t1 = now_ns();
           if (ins.kind < Instr::STREAM) {
             timings->insert(timings->end(), {static_cast<int64_t>(pc), t0, t1});
           }
         } else {
-          step<Python>(pc, regs, stack, gil, arena.get(), forms, dev);
+          step<Python>(pc, regs, stack, gil, arena.get(), forms, modes, dev);
         }
       }
     } catch (...) {
@@ -225,6 +226,7 @@ class Executor : public Code {
       Registers& regs,
       const Arena* arena,
       const Forms& forms,
+      CallModes modes,
       std::vector<int64_t>* timings,
       bool ranges,
       size_t& pc) const {
@@ -238,13 +240,14 @@ class Executor : public Code {
       for (const Segment& seg : streams_.segments()) {
         if (seg.stream == 0) {
           for (pc = seg.begin; pc < seg.end; ++pc) {
-            run_on_stream<Timed>(pc, regs, stack, gil, arena, forms, call, timings, ranges);
+            run_on_stream<Timed>(
+                pc, regs, stack, gil, arena, forms, modes, call, timings, ranges);
           }
           continue;
         }
         call.task_submitted();
         streams_.worker(seg.stream).submit(
-            [this, &call, &regs, &forms, arena, seg, timings, ranges] {
+            [this, &call, &regs, &forms, modes, arena, seg, timings, ranges] {
               {  // everything that refers to the call ends before task_done() lets it return
                 at::ThreadLocalStateGuard tls(call.tls);
                 GilState worker_gil{GilState::Worker{}};
@@ -254,7 +257,8 @@ class Executor : public Code {
                 try {
                   for (; at < seg.end; ++at) {
                     run_on_stream<Timed>(
-                        at, regs, worker_stack, worker_gil, arena, forms, call, timings, ranges);
+                        at, regs, worker_stack, worker_gil, arena, forms, modes, call, timings,
+                        ranges);
                   }
                 } catch (...) {
                   call.fail(at, std::current_exception());
@@ -283,6 +287,7 @@ class Executor : public Code {
       GilState& gil,
       const Arena* arena,
       const Forms& forms,
+      CallModes modes,
       CpuCall& call,
       std::vector<int64_t>* timings,
       bool ranges) const {
@@ -308,17 +313,21 @@ class Executor : public Code {
         std::optional<at::RecordFunction> range;
         open_range(range, pc, ranges);
         int64_t t0 = now_ns();
-        step<false>(pc, regs, stack, gil, arena, forms, nullptr);
+        step<false>(pc, regs, stack, gil, arena, forms, modes, nullptr);
         call.add_timing(timings, static_cast<int64_t>(pc), t0, now_ns());
         return;
       }
     }
-    step<false>(pc, regs, stack, gil, arena, forms, nullptr);
+    step<false>(pc, regs, stack, gil, arena, forms, modes, nullptr);
   }
 
   // An arena for this call (see the header comment), or nullptr. Needs the GIL.
-  std::unique_ptr<Arena> take_arena(const Registers& regs, bool inference, int64_t stream) const {
-    if (!arena_factory_ || !guards_.arena_allowed(regs, inputs_)) {
+  std::unique_ptr<Arena> take_arena(
+      const Registers& regs,
+      bool inference,
+      int64_t stream,
+      CallModes modes) const {
+    if (!arena_factory_ || !guards_.arena_allowed(regs, inputs_, modes)) {
       return nullptr;
     }
     std::unique_ptr<Arena> arena = pool_.take(inference, stream);
@@ -338,6 +347,7 @@ class Executor : public Code {
       GilState& gil,
       const Arena* arena,
       const Forms& forms,
+      CallModes modes,
       DeviceCall* dev) const {
     const Instr& ins = code_[pc];
     if (ins.kind == Instr::FREE) {
@@ -392,7 +402,7 @@ class Executor : public Code {
         const AllocOp& op = allocs_[ins.index];
         if (arena != nullptr && op.slot >= 0) {
           regs[static_cast<size_t>(op.call.outputs[0])] = (*arena)[static_cast<size_t>(op.slot)];
-        } else if (!run_cpu_empty(op, regs)) {
+        } else if (!run_cpu_empty(op, regs, modes)) {
           run_call(op.call, regs, stack, gil);
         }
         return;
@@ -400,7 +410,7 @@ class Executor : public Code {
       case Instr::VIEW: {
         gil.release();
         const ViewOp& op = views_[ins.index];
-        if (!((op.always || arena != nullptr) && run_view(op, regs))) {
+        if (!((op.always || arena != nullptr) && run_view(op, regs, modes))) {
           run_call(op.call, regs, stack, gil);
         }
         return;
