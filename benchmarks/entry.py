@@ -16,7 +16,10 @@ interleaved (medians, µs per call):
 Then the per-call costs of the compiled loop called as torch.compile calls it
 (``CompiledGraph.entry``): an empty graph and a one-op graph (``x + 1`` on 4 floats), and the cost
 of each static input (a parameter the graph takes as an input), kept between calls (the inputs
-``torch.compile`` marks static: parameters, buffers) and not.
+``torch.compile`` marks static: parameters, buffers) and not. Last, ``fxrt.load`` against the
+package's own compiled graph called directly (its weights and inputs in one list made once), on
+two tiny packages where any per-call work shows: a Linear + ReLU (tensor inputs only) and
+``x + ones(n)`` with an int input ``n`` (the size symbol of ``x``'s dimension).
 
 Usage: python benchmarks/entry.py [--rounds N]
 """
@@ -99,6 +102,42 @@ def fixed_costs(rounds: int) -> str:
     return "\n".join(lines)
 
 
+class _Ones(nn.Module):
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x + torch.ones(n)
+
+
+def package_costs(rounds: int) -> str:
+    """ns per call of fxrt.load's model vs its compiled graph called directly, tiny packages."""
+    import tempfile
+    import timeit
+    from pathlib import Path
+
+    from torch.export import Dim
+
+    def ns(f: object, n: int = 20000) -> float:
+        return min(timeit.repeat(f, number=n, repeat=rounds)) / n * 1e9
+
+    torch.manual_seed(0)
+    lines = []
+    tmp = Path(tempfile.mkdtemp(prefix="fxrt-entry-bench-"))
+    cases = [
+        ("Linear + ReLU", nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), (torch.randn(2, 8),),
+         None),
+        ("x + ones(n), an int input", _Ones(), (torch.randn(3), 3),
+         ({0: Dim.DYNAMIC}, Dim.DYNAMIC)),
+    ]  # fmt: skip
+    for name, model, args, dyn in cases:
+        fxrt.export(model, args, dynamic_shapes=dyn).save(tmp / "p.fxrt")
+        loaded = fxrt.load(tmp / "p.fxrt")
+        graph, flat = loaded._run, [*loaded._state[0], *args]
+        torch.testing.assert_close(loaded(*args), model(*args))
+        a = ns(lambda m=loaded, a=args: m(*a))
+        b = ns(lambda g=graph, f=flat: g(f)[0])
+        lines.append(f"{name}: fxrt.load {a:.0f} ns, its graph directly {b:.0f} ns ({a / b:.2f}x)")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -128,6 +167,7 @@ def main() -> int:
     )
     with torch.inference_mode():
         print("\nPer call, the compiled loop as torch.compile calls it:\n" + fixed_costs(9))
+        print("\nPer call, fxrt.load vs the package's graph directly:\n" + package_costs(9))
     return 0
 
 

@@ -186,3 +186,72 @@ def test_eight_threads_share_one_loaded_package(executor, tmp_path):
                 torch.testing.assert_close(pkg(a), model(a))
 
     run_in_threads(work, n=8)
+
+
+class _Ones(nn.Module):  # an int input that is the same size symbol as a tensor dim
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x + torch.ones(n)
+
+
+class _Scale(nn.Module):  # an int with a range of its own
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n + n
+
+
+def _int_packages(tmp_path):
+    from torch.export import Dim
+
+    for name, model, args, dyn in [
+        ("ones", _Ones(), (torch.randn(3), 3), ({0: Dim.DYNAMIC}, Dim.DYNAMIC)),
+        ("scale", _Scale(), (torch.randn(3), 4), (None, Dim.DYNAMIC(min=1, max=10))),
+    ]:
+        path = tmp_path / f"{name}.fxrt"
+        fxrt.export(model, args, dynamic_shapes=dyn).save(path)
+        yield name, model, path
+
+
+def test_a_loaded_package_calls_the_compiled_loop_itself(executor, tmp_path, monkeypatch):
+    """A call made as the package was exported goes from LoadedModel to the compiled loop with
+    no Python of fxrt's (its checks included), and equals eager; with kwargs, the Python loop,
+    or a profiler on, the call goes through LoadedModel._call."""
+    skip_unless_executor(executor)
+    taken = []
+    original = fxrt.deploy.loaded.LoadedModel._call
+    monkeypatch.setattr(
+        fxrt.deploy.loaded.LoadedModel,
+        "_call",
+        lambda self, args, kwargs: taken.append(1) or original(self, args, kwargs),
+    )
+    for _, model, path in _int_packages(tmp_path):
+        m = fxrt.load(path, options={"pure_python": executor == "python"})
+        with torch.inference_mode():
+            for n in (2, 5):
+                x = torch.randn(n if path.stem == "ones" else 3)
+                torch.testing.assert_close(m(x, n), model(x, n))
+        assert len(taken) == (0 if executor == "cpp" else 2)
+        taken.clear()
+        with fxrt.profile() as prof:
+            m(torch.randn(3), 3)
+        assert len(prof.calls) == 1 and taken == [1]
+        taken.clear()
+
+
+@pytest.mark.parametrize("case", ["int differs", "int out of range", "not an int", "dtype"])
+def test_a_loaded_package_names_a_bad_input_on_both_loops(case, tmp_path):
+    """The checks the compiled loop makes for a loaded package refuse what the Python binder
+    refuses, with the binder's words, the same on both loops."""
+    ones, scale = [p for _, _, p in _int_packages(tmp_path)]
+    path, args, want = {
+        "int differs": (ones, (torch.randn(3), 4), "input 'n' (args[1]): 4, but s"),
+        "int out of range": (scale, (torch.randn(3), 11), "11 is outside the range"),
+        "not an int": (scale, (torch.randn(3), 4.0), "expected an int, got a float"),
+        "dtype": (ones, (torch.randn(3, dtype=torch.float64), 3), "input 'x' (args[0]): dtype"),
+    }[case]
+    messages = []
+    for pure in [True] if not native_available() else [True, False]:
+        m = fxrt.load(path, options={"pure_python": pure})
+        with pytest.raises(InputError) as err:
+            m(*args)
+        messages.append(str(err.value))
+    assert len(set(messages)) == 1, messages
+    assert want in messages[0], messages[0]

@@ -5,7 +5,9 @@ Each call:
 1. flattens ``(args, kwargs)`` (directly, when the call is positional leaves only, as it was
    exported), keyword arguments reordered to the exported order; another structure raises
    :class:`fxrt.InputError` describing both;
-2. checks what the compiled graph does not (:meth:`Binder.quick`): each size symbol within its
+2. checks what the compiled graph does not (:meth:`Binder.quick`, whose C++ twin in the compiled
+   loop's extension, ``package_checks.h``, checks the calls that go straight to the loop; see
+   :meth:`Binder.tables`): each size symbol within its
    exported ``Dim`` range, each constant equal to the exported one, derived sizes, and each int
    input (a SymInt of the graph: an int, within its symbol's range, equal to the value a tensor
    dimension bound the symbol to); derived sizes are computed by functions compiled once
@@ -107,6 +109,18 @@ class Binder:
                 self.int_checks.append((leaf, want, lo, 2**63 if hi is None else hi))
         self.sites = tuple((sym, leaf, d) for sym, (leaf, d) in sites.items())
         self.needs_quick = bool(self.ranged or self.constant_values or self.derived or self.symints)
+
+    def tables(self) -> tuple[list, list, list, list]:
+        """What :meth:`quick` checks, as the compiled loop's twin of it takes it (its
+        ``package_checks.h``; without derived sizes): ``(leaf, dim, lo, hi)`` per ranged size,
+        ``(leaf, value)`` per constant, ``(symbol, leaf, dim or -1)`` per place a symbol is
+        bound, ``(leaf, symbol, lo, hi)`` per int input; symbols by number, bounds in int64."""
+        top = 2**63 - 1
+        syms = {sym: k for k, (sym, _, _) in enumerate(self.sites)}
+        ranges = [(leaf, d, lo, min(hi, top)) for leaf, dims in self.ranged for d, lo, hi in dims]
+        sites = [(syms[sym], leaf, -1 if d is None else d) for sym, leaf, d in self.sites]
+        ints = [(leaf, syms[w], lo, min(hi, top)) for leaf, w, lo, hi in self.int_checks]
+        return ranges, list(self.constant_values), sites, ints
 
     # -- structure
 

@@ -45,8 +45,11 @@ signature, the weights, and the manifest's text (``LoadedModel.manifest`` parses
 use). The parsed manifest is dropped part by part as the load uses it, since its peak stays
 resident in the allocator's pools; the file's pages before the weights are unmapped once parsed.
 
-Calls are thread-safe: the compiled graph makes a register file per call, and the weights are one
-tuple read once per call, which :meth:`LoadedModel.update_weights` replaces in one assignment.
+Calls are thread-safe: the compiled graph takes a frame per call, and the weights are one tuple
+read once per call, which :meth:`LoadedModel.update_weights` replaces in one assignment. With the
+compiled loop, a call made as the package was exported goes from the LoadedModel to the loop with
+no Python frame (the extension's ``PackageEntry``, the base class, checks it in C++); any other
+call is :meth:`LoadedModel._call`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import torch.utils._pytree as pytree
 from ..compiler import CompiledGraph
 from ..config import CompilerConfig
 from ..exec.inputs import InputError
+from ..exec.native import NativeLoop, NativePackageEntry
 from ..ir.graph import OpKind
 from ..modes import gc_paused
 from ..pipeline import lower_program
@@ -312,7 +316,21 @@ def _retarget(doc: Any, old: torch.device, new: torch.device) -> Any:
     return walk(doc)
 
 
-class LoadedModel:
+class _PythonEntry:
+    """What LoadedModel's calls go through without the compiled loop's extension."""
+
+    _prefix: tuple = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(args, kwargs)
+
+
+# With the extension, a call made as the package was exported goes to the compiled loop with no
+# Python frame of fxrt's (the extension's PackageEntry; _call is the path of every other call).
+_Entry: type = NativePackageEntry or _PythonEntry
+
+
+class LoadedModel(_Entry):
     """A loaded package: call it as the exported model was called.
 
     Attributes:
@@ -384,13 +402,18 @@ class LoadedModel:
                 self._mutations.append((i, "u", user_leaves[o.target]))
         self._plain_out = not self._mutations and out_spec.is_leaf() and len(self._user_out) == 1
         self._state = self._publish(weights)
+        self._prefix = self._state[0]
+        direct = self._fast and self._plain_out and isinstance(self._run, NativeLoop)
+        if direct and binder.n_args >= 0 and not (binder.derived or binder.derived_ints):
+            self._set_direct(self._run, binder.n_args, *binder.tables())
 
     def _publish(self, weights: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict]:
         return tuple(weights[n] for n in self._weight_names), weights
 
     # -- calling
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call the direct path (the extension's) does not take, or every call without it."""
         prefix, weights = self._state  # one read: a concurrent update_weights does not mix in
         binder = self._binder
         leaves = args if not kwargs and len(args) == binder.n_args else binder.flatten(args, kwargs)
@@ -410,6 +433,12 @@ class LoadedModel:
         for i, where, k in self._mutations:
             (weights[k] if where == "w" else leaves[k]).copy_(out[i])
         return pytree.tree_unflatten([out[i] for i in self._user_out], self._out_spec)
+
+    def _call_failed(self, args: tuple[Any, ...], exc: BaseException) -> None:
+        """The direct path's call failed with ``exc``: an input the compiled graph refused is
+        named as :meth:`_call` names it."""
+        if isinstance(exc, InputError):
+            self._binder.check(args)
 
     # -- weights
 
@@ -439,6 +468,7 @@ class LoadedModel:
         with self._lock:
             updated = updated_weights(self._state[1], state_dict, self._ties, self._kinds, strict)
             self._state = self._publish(updated)
+            self._prefix = self._state[0]
 
     # -- inspection
 

@@ -125,6 +125,7 @@ if _status.usable:
     _Executor: type = _status.module.Executor
     set_instrumenting = _status.module.set_instrumenting
     NativeReplayIndex: type | None = _status.module.ReplayIndex  # see fxrt.exec.replays
+    NativePackageEntry: type | None = _status.module.PackageEntry  # see fxrt.deploy.loaded
 else:
 
     class _Executor:  # the base NativeLoop gets when there is no extension; it refuses to build
@@ -134,6 +135,7 @@ else:
         """Without the extension there is no compiled loop to tell."""
 
     NativeReplayIndex = None
+    NativePackageEntry = None
 
 
 _VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4, "split": 5}
@@ -337,6 +339,7 @@ def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
 __all__ = [
     "ExtensionStatus",
     "NativeLoop",
+    "NativePackageEntry",
     "NativeReplayIndex",
     "extension_status",
     "native_available",
