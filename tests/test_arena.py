@@ -287,3 +287,31 @@ def test_dispatch_modes_see_the_graphs_own_ops():
             "aten.mm.default",
             "aten.sum.dim_IntList",
         ]
+
+
+@pytest.mark.parametrize("split", ["unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk"])
+def test_unsafe_split_pieces_keep_their_base_slot(executor, split):
+    """``unsafe_split`` (what GRUCell's decomposition and Dynamo graphs call) returns views whose
+    schema says nothing of it: its pieces were not in their base's alias set, the base's slot was
+    freed while they were read, and the next addmm wrote over them."""
+    from conftest import check_against_eager
+
+    def pieces(x):
+        if split == "unsafe_split":
+            return aten.unsafe_split.Tensor(x, 4, 1)
+        if split == "unsafe_split_with_sizes":
+            return aten.unsafe_split_with_sizes.default(x, [4, 4, 4], 1)
+        return aten.unsafe_chunk.default(x, 3, 1)
+
+    def fn(x, h, w1, w2):
+        a, b, c = pieces(x @ w1)
+        d, e, f = pieces(h @ w2)  # reuses the first product's bytes once that is free
+        return (a * d + b * e + c * f).sum(0)
+
+    args = (torch.randn(2, 5), torch.randn(2, 5), torch.randn(5, 12), torch.randn(5, 12))
+    with torch.inference_mode():
+        check_against_eager(fn, args, executor, options={"cache": False})
+    torch.manual_seed(0)
+    cell = torch.nn.GRUCell(8, 8).eval()
+    with torch.inference_mode():
+        check_against_eager(cell, (torch.randn(1, 8), torch.randn(1, 8)), executor)

@@ -35,10 +35,20 @@ def bind_schema_args(schema: torch.FunctionSchema, args: tuple, kwargs: dict) ->
     return bound
 
 
-# Ops whose schema has no alias annotation but whose result shares its first argument's storage.
-# ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a temporary);
-# Inductor's ``reinterpret_tensor`` is a raw alias with no view tracking at all.
-UNANNOTATED_VIEWS = frozenset({"aten::_unsafe_view", "inductor::_reinterpret_tensor"})
+# Ops whose schema has no alias annotation but whose results share their first argument's
+# storage. ``_unsafe_view`` is a view that autograd treats as fresh (its input is always a
+# temporary), and so are the pieces of ``unsafe_split``, ``unsafe_split_with_sizes`` and
+# ``unsafe_chunk`` (GRUCell's decomposition splits its gates with them); Inductor's
+# ``reinterpret_tensor`` is a raw alias with no view tracking at all.
+UNANNOTATED_VIEWS = frozenset(
+    {
+        "aten::_unsafe_view",
+        "aten::unsafe_split.Tensor",
+        "aten::unsafe_split_with_sizes",
+        "aten::unsafe_chunk",
+        "inductor::_reinterpret_tensor",
+    }
+)
 
 # torch.distributed collectives, as Dynamo and DTensor capture them. Their schemas carry no alias
 # annotations, yet a collective may read its input and fill its output asynchronously until the
@@ -62,7 +72,7 @@ def output_aliases(graph: Graph, node: Node) -> list[list[int]]:
         if node.copies:
             return [[] for _ in node.outputs]
         if node.op.name in UNANNOTATED_VIEWS or node.op.name in WAIT_OPS:
-            return [refs_in(node.args[0])]
+            return [refs_in(node.args[0])] * len(node.outputs)
         if is_collective(node.op.name):  # see COLLECTIVE_NAMESPACES
             return [node.input_ids()] * len(node.outputs)
         bound = bind_schema_args(schema, node.args, node.kwargs)
