@@ -138,10 +138,13 @@ struct CallOp {
   bool numbers_as_tensors = false;  // torch.ops lets Python numbers stand for Tensor arguments
 };
 
-// OUT's inline elementwise form (elementwise.h), kind NONE when it has none.
+// OUT's inline elementwise form (elementwise.h); `loop` null when it has none.
 struct Elementwise {
-  enum Kind : uint8_t { NONE, ADD, SUB, MUL, CLAMP_MIN };
-  Kind kind = NONE;
+  // o[i] = a[i] op b[i] over n elements; na, nb: the operands' element counts (n, or the length
+  // of a row they repeat; nb 0: the number s instead of b).
+  using Loop = void (*)(float* o, const float* a, const float* b, float s, int64_t n,
+                        int64_t na, int64_t nb);
+  Loop loop = nullptr;
   int64_t a = -1;  // register of the first operand
   int64_t b = -1;  // register of the second, or -1: the number `scalar`
   float scalar = 0.0f;

@@ -131,37 +131,44 @@ inline int64_t operand_length(const at::Tensor& t, const at::Tensor& out) {
 
 // The form of `out` (the bound out= call of an OUT) that `kind` names ("add", "sub", "mul",
 // "clamp_min"), or why there is none: the op must be that op's out= overload, its operands
-// registers or (the second) a number, and alpha 1.
+// registers or (the second; clamp_min's always) a number, and alpha 1.
 inline std::optional<Elementwise> bind_elementwise(
     const CallOp& out,
     std::string_view kind,
     std::string& why) {
-  using elementwise_detail::number;
-  const c10::OperatorName& name = out.op.operator_name();
-  Elementwise e;
-  size_t n_args = 0;
-  if (kind == "add" || kind == "sub") {
-    e.kind = kind == "add" ? Elementwise::ADD : Elementwise::SUB;
-    n_args = 4;  // self, other, alpha, out
-  } else if (kind == "mul") {
-    e.kind = Elementwise::MUL;
-    n_args = 3;  // self, other, out
-  } else if (kind == "clamp_min") {
-    e.kind = Elementwise::CLAMP_MIN;
-    n_args = 3;  // self, min, out
-  } else {
+  namespace d = elementwise_detail;
+  struct Form {
+    std::string_view name;
+    Elementwise::Loop loop;
+    size_t n_args;  // the out= overload's: self, other or min, [alpha,] out
+    bool alpha;
+  };
+  static const Form kForms[] = {
+      {"add", d::add_loop, 4, true},
+      {"sub", d::sub_loop, 4, true},
+      {"mul", d::mul_loop, 3, false},
+      {"clamp_min", d::clamp_min_loop, 3, false},
+  };
+  const Form* form = nullptr;
+  for (const Form& f : kForms) {
+    form = f.name == kind ? &f : form;
+  }
+  if (form == nullptr) {
     why = "no elementwise form " + std::string(kind);
     return std::nullopt;
   }
+  const c10::OperatorName& name = out.op.operator_name();
   if (name.name != "aten::" + std::string(kind) || name.overload_name != "out" ||
-      out.args.size() != n_args || out.args[0].kind != BoundArg::REG) {
+      out.args.size() != form->n_args || out.args[0].kind != BoundArg::REG) {
     why = "the elementwise form " + std::string(kind) + " of another op";
     return std::nullopt;
   }
+  Elementwise e;
+  e.loop = form->loop;
   e.a = out.args[0].reg;
   const BoundArg& other = out.args[1];
-  std::optional<double> s = number(other);
-  if (other.kind == BoundArg::REG && e.kind != Elementwise::CLAMP_MIN) {
+  std::optional<double> s = d::number(other);
+  if (other.kind == BoundArg::REG && form->name != "clamp_min") {
     e.b = other.reg;
   } else if (s.has_value()) {
     e.scalar = static_cast<float>(*s);  // as ATen's CPU kernels read a number for float32
@@ -169,12 +176,10 @@ inline std::optional<Elementwise> bind_elementwise(
     why = "an elementwise operand that is neither a register nor a number";
     return std::nullopt;
   }
-  if (n_args == 4) {
-    std::optional<double> alpha = number(out.args[2]);
-    if (!alpha.has_value() || *alpha != 1.0) {
-      why = "an elementwise " + std::string(kind) + " with alpha other than 1";
-      return std::nullopt;
-    }
+  std::optional<double> alpha = form->alpha ? d::number(out.args[2]) : 1.0;
+  if (!alpha.has_value() || *alpha != 1.0) {
+    why = "an elementwise " + std::string(kind) + " with alpha other than 1";
+    return std::nullopt;
   }
   return e;
 }
@@ -190,46 +195,25 @@ inline bool run_elementwise(
   if (!av.isTensor() || !d::dense_float(out)) {
     return false;
   }
-  const at::Tensor& a = av.toTensor();
+  // A row length divides n (operand_length: the row is out's trailing dimensions).
   const int64_t n = out.numel();
-  const int64_t na = d::operand_length(a, out);
+  const int64_t na = d::operand_length(av.toTensor(), out);
   int64_t nb = 0;
   const float* bp = nullptr;
   if (e.b >= 0) {
     const IValue& bv = regs[static_cast<size_t>(e.b)];
-    if (!bv.isTensor()) {
+    nb = bv.isTensor() ? d::operand_length(bv.toTensor(), out) : 0;
+    if (nb == 0) {
       return false;
     }
-    const at::Tensor& b = bv.toTensor();
-    nb = d::operand_length(b, out);
-    if (nb == 0 || (na != n && nb != n)) {
-      return false;
-    }
-    bp = b.const_data_ptr<float>();
+    bp = bv.toTensor().const_data_ptr<float>();
   }
-  if (na == 0 || (e.b < 0 && na != n) || n == 0 || (na != n && n % na != 0) ||
-      (nb != 0 && nb != n && n % nb != 0)) {
-    return false;
+  if (na == 0 || (na != n && (e.b < 0 || nb != n))) {
+    return false;  // not an operand, or a row with a number or with another row
   }
-  float* o = out.mutable_data_ptr<float>();
-  const float* ap = a.const_data_ptr<float>();
-  switch (e.kind) {
-    case Elementwise::ADD:
-      d::add_loop(o, ap, bp, e.scalar, n, na, nb);
-      return true;
-    case Elementwise::SUB:
-      d::sub_loop(o, ap, bp, e.scalar, n, na, nb);
-      return true;
-    case Elementwise::MUL:
-      d::mul_loop(o, ap, bp, e.scalar, n, na, nb);
-      return true;
-    case Elementwise::CLAMP_MIN:
-      d::clamp_min_loop(o, ap, bp, e.scalar, n, na, nb);
-      return true;
-    case Elementwise::NONE:
-      return false;
-  }
-  return false;
+  e.loop(out.mutable_data_ptr<float>(), av.toTensor().const_data_ptr<float>(), bp, e.scalar, n,
+         na, nb);
+  return true;
 }
 
 }  // namespace fxrt

@@ -383,8 +383,7 @@ class Executor : public Code {
         if (arena != nullptr) {
           const at::Tensor& slot = (*arena)[static_cast<size_t>(op.slot)];
           regs[static_cast<size_t>(op.call.outputs[0])] = slot;
-          if (op.elementwise.kind != Elementwise::NONE &&
-              run_elementwise(op.elementwise, regs, slot)) {
+          if (op.elementwise.loop != nullptr && run_elementwise(op.elementwise, regs, slot)) {
             return;
           }
           try {

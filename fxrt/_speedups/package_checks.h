@@ -10,6 +10,8 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -21,15 +23,6 @@ namespace fxrt {
 
 class PackageChecks {
  public:
-  PackageChecks() = default;
-  PackageChecks(const PackageChecks&) = delete;
-  PackageChecks& operator=(const PackageChecks&) = delete;
-  ~PackageChecks() {
-    for (auto& c : constants_) {
-      Py_DECREF(c.second);
-    }
-  }
-
   // Tensor argument `leaf`'s size `dim` lies in [lo, hi].
   void add_range(int64_t leaf, int64_t dim, int64_t lo, int64_t hi) {
     ranges_.push_back({leaf, dim, lo, hi});
@@ -37,8 +30,7 @@ class PackageChecks {
 
   // Argument `leaf` has the type of `value` and equals it.
   void add_constant(int64_t leaf, PyObject* value) {
-    Py_INCREF(value);
-    constants_.emplace_back(leaf, value);
+    constants_.emplace_back(leaf, pybind11::reinterpret_borrow<pybind11::object>(value));
   }
 
   // Size symbol `sym` is bound by argument `leaf`: its size `dim`, or (dim -1) its int value.
@@ -64,10 +56,10 @@ class PackageChecks {
       }
     }
     for (const auto& [leaf, value] : constants_) {
-      if (leaf >= n || Py_TYPE(items[leaf]) != Py_TYPE(value)) {
+      if (leaf >= n || Py_TYPE(items[leaf]) != Py_TYPE(value.ptr())) {
         return false;
       }
-      int eq = PyObject_RichCompareBool(items[leaf], value, Py_EQ);
+      int eq = PyObject_RichCompareBool(items[leaf], value.ptr(), Py_EQ);
       if (eq != 1) {
         PyErr_Clear();
         return false;
@@ -76,7 +68,7 @@ class PackageChecks {
     if (ints_.empty()) {
       return true;
     }
-    std::vector<int64_t> env(n_syms_, 0);
+    c10::SmallVector<int64_t, 8> env(n_syms_, 0);  // each symbol's value, from its site
     for (const Site& s : sites_) {
       if (s.leaf >= n) {
         return false;
@@ -131,7 +123,7 @@ class PackageChecks {
   }
 
   std::vector<Range> ranges_;
-  std::vector<std::pair<int64_t, PyObject*>> constants_;
+  std::vector<std::pair<int64_t, pybind11::object>> constants_;
   std::vector<Site> sites_;
   std::vector<IntCheck> ints_;
   size_t n_syms_ = 0;

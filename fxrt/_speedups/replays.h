@@ -41,7 +41,7 @@ struct Replay {
   };
   struct Leaf {
     int kind;  // 0 the object `value`, 1 a view of input `index`, 2 of pool buffer `index`
-    PyObject* value = nullptr;  // owned
+    py::object value;
     size_t index = 0;
     at::ScalarType dtype = at::kFloat;
     std::vector<int64_t> sizes, strides;
@@ -49,23 +49,11 @@ struct Replay {
   };
   std::vector<std::pair<size_t, intptr_t>> fixed;  // (input, data_ptr) read in place
   std::vector<Copy> copies;
-  PyObject* replay = nullptr;  // the device graph's replay, owned
+  py::object replay;  // the device graph's replay
   std::vector<Leaf> leaves;
   std::vector<at::Tensor> pool;  // byte views of the pool storages that outputs live in
   bool clone = true;  // each call's outputs on clones of the pool storages
-  PyObject* build = nullptr;  // builds the output structure from the list of leaves, owned
-
-  void clear() {
-    for (Leaf& leaf : leaves) {
-      Py_XDECREF(leaf.value);
-    }
-    Py_CLEAR(replay);
-    Py_CLEAR(build);
-    leaves.clear();
-    fixed.clear();
-    copies.clear();
-    pool.clear();
-  }
+  py::object build;  // builds the output structure from the list of leaves
 };
 
 inline at::Tensor on_storage(
@@ -84,109 +72,12 @@ inline at::Tensor bytes_of(const c10::Storage& storage, c10::Device device) {
   return on_storage(storage, at::kByte, device, 0, {n}, {1});
 }
 
-// Fills `r` from the Python plan (see replay_from_python).
-inline void fill_replay(
-    Replay& r,
-    PyObject* fixed,
-    PyObject* copies,
-    PyObject* leaves,
-    PyObject* pool,
-    c10::Device device) {
-  auto items = [](PyObject* seq, const char* what) {
-    TORCH_CHECK_TYPE(
-        PyList_Check(seq) || PyTuple_Check(seq), "fxrt: a replay's ", what, " must be a list");
-    return std::vector<PyObject*>(
-        PySequence_Fast_ITEMS(seq), PySequence_Fast_ITEMS(seq) + PySequence_Fast_GET_SIZE(seq));
-  };
-  auto tensor = [](PyObject* obj) -> const at::Tensor& {
-    TORCH_CHECK_TYPE(THPVariable_Check(obj), "fxrt: a replay's plan holds a tensor here");
-    return THPVariable_Unpack(obj);
-  };
-  auto index = [](PyObject* obj) {
-    size_t i = PyLong_AsSize_t(obj);
-    if (PyErr_Occurred()) {
-      throw_python_error();
-    }
-    return i;
-  };
-  for (PyObject* f : items(fixed, "fixed inputs")) {
-    intptr_t ptr = static_cast<intptr_t>(PyLong_AsLongLong(PyTuple_GET_ITEM(f, 1)));
-    r.fixed.emplace_back(index(PyTuple_GET_ITEM(f, 0)), ptr);
-    if (PyErr_Occurred()) {
-      throw_python_error();
-    }
-  }
-  for (PyObject* c : items(copies, "copies")) {
-    const at::Tensor& target = tensor(PyTuple_GET_ITEM(c, 1));
-    bool whole = PyObject_IsTrue(PyTuple_GET_ITEM(c, 2)) == 1;
-    r.copies.push_back({index(PyTuple_GET_ITEM(c, 0)),
-                        whole ? bytes_of(target.storage(), device) : target, whole});
-  }
-  for (PyObject* l : items(leaves, "leaves")) {
-    Replay::Leaf leaf;
-    const char* kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(l, 0));
-    if (kind == nullptr) {
-      throw_python_error();
-    }
-    if (std::strcmp(kind, "value") == 0) {
-      leaf.kind = 0;
-      leaf.value = PyTuple_GET_ITEM(l, 1);
-      Py_INCREF(leaf.value);
-    } else {
-      leaf.kind = std::strcmp(kind, "input") == 0 ? 1 : 2;
-      leaf.index = index(PyTuple_GET_ITEM(l, 1));
-      const at::Tensor& like = tensor(PyTuple_GET_ITEM(l, 2));
-      leaf.dtype = like.scalar_type();
-      leaf.sizes = like.sizes().vec();
-      leaf.strides = like.strides().vec();
-      leaf.offset = like.storage_offset();
-    }
-    r.leaves.push_back(std::move(leaf));
-  }
-  for (PyObject* b : items(pool, "pool")) {
-    r.pool.push_back(tensor(b));
-  }
-}
-
-// A Replay from the runner's plan (capture.py, CaptureRunner._arm): `fixed` as (input, data_ptr)
-// pairs; `copies` as (input, static buffer, whole); `leaves` as ("value", object),
-// ("input", i, like) or ("pool", k, like), `like` a tensor whose dtype, sizes, strides and
-// storage offset the output has; `pool` the byte views of the pool storages; `build` makes the
-// output structure from the list of leaves.
-inline Replay replay_from_python(
-    PyObject* fixed,
-    PyObject* copies,
-    PyObject* replay,
-    PyObject* leaves,
-    PyObject* pool,
-    bool clone,
-    PyObject* build,
-    c10::Device device) {
-  Replay r;
-  try {
-    fill_replay(r, fixed, copies, leaves, pool, device);
-  } catch (...) {
-    r.clear();
-    throw;
-  }
-  Py_INCREF(replay);
-  r.replay = replay;
-  Py_INCREF(build);
-  r.build = build;
-  r.clone = clone;
-  return r;
-}
-
 // The signatures of one capture runner, by id in order of first sight, and the replays of those
 // that hold a capture.
 class ReplayIndex {
  public:
-  explicit ReplayIndex(c10::Device device) : device_(device) {}
   // On the device of `device`, a torch.device.
   explicit ReplayIndex(PyObject* device) : device_(device_of(device)) {}
-  ReplayIndex(const ReplayIndex&) = delete;
-  ReplayIndex& operator=(const ReplayIndex&) = delete;
-  ~ReplayIndex() { clear(); }
 
   // The id of the signature of `inputs` (a list or tuple), or -1 when it has none yet.
   int64_t find(PyObject* inputs) const {
@@ -201,33 +92,67 @@ class ReplayIndex {
     TORCH_CHECK_VALUE(
         ids_.emplace(signature(inputs), id).second, "fxrt: this input signature already has an id");
     replays_.emplace_back();
-    armed_.push_back(false);
     counts_.push_back(0);
     return id;
   }
 
-  // Signature `id` holds a capture: what its replays do (the runner's plan, see capture.py).
+  // Signature `id` holds a capture: what its replays do, from the runner's plan (capture.py,
+  // CaptureRunner._arm): `fixed` as (input, data_ptr) pairs; `copies` as (input, static buffer,
+  // whole); `leaves` as ("value", object), ("input", i, like) or ("pool", k, like), `like` a
+  // tensor whose dtype, sizes, strides and storage offset the output has; `pool` the byte views
+  // of the pool storages; `build` makes the output structure from the list of leaves.
   void arm(
       int64_t id,
-      PyObject* fixed,
-      PyObject* copies,
-      PyObject* replay,
-      PyObject* leaves,
-      PyObject* pool,
+      py::handle fixed,
+      py::handle copies,
+      py::handle replay,
+      py::handle leaves,
+      py::handle pool,
       bool clone,
-      PyObject* build) {
-    Replay& r = at_(id);
-    Replay made = replay_from_python(fixed, copies, replay, leaves, pool, clone, build, device_);
-    r.clear();
-    r = std::move(made);
-    armed_[static_cast<size_t>(id)] = true;
+      py::handle build) {
+    std::optional<Replay>& slot = at_(id);
+    auto tensor = [](py::handle obj) -> const at::Tensor& {
+      TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()), "fxrt: a replay's plan holds a tensor here");
+      return THPVariable_Unpack(obj.ptr());
+    };
+    Replay r;
+    for (py::handle f : fixed) {
+      r.fixed.emplace_back(py::cast<size_t>(f[py::int_(0)]), py::cast<intptr_t>(f[py::int_(1)]));
+    }
+    for (py::handle c : copies) {
+      const at::Tensor& target = tensor(c[py::int_(1)]);
+      bool whole = py::cast<bool>(c[py::int_(2)]);
+      r.copies.push_back({py::cast<size_t>(c[py::int_(0)]),
+                          whole ? bytes_of(target.storage(), device_) : target, whole});
+    }
+    for (py::handle l : leaves) {
+      Replay::Leaf leaf;
+      const std::string kind = py::cast<std::string>(l[py::int_(0)]);
+      if (kind == "value") {
+        leaf.kind = 0;
+        leaf.value = py::reinterpret_borrow<py::object>(l[py::int_(1)]);
+      } else {
+        leaf.kind = kind == "input" ? 1 : 2;
+        leaf.index = py::cast<size_t>(l[py::int_(1)]);
+        const at::Tensor& like = tensor(l[py::int_(2)]);
+        leaf.dtype = like.scalar_type();
+        leaf.sizes = like.sizes().vec();
+        leaf.strides = like.strides().vec();
+        leaf.offset = like.storage_offset();
+      }
+      r.leaves.push_back(std::move(leaf));
+    }
+    for (py::handle b : pool) {
+      r.pool.push_back(tensor(b));
+    }
+    r.replay = py::reinterpret_borrow<py::object>(replay);
+    r.build = py::reinterpret_borrow<py::object>(build);
+    r.clone = clone;
+    slot = std::move(r);
   }
 
   // Signature `id` holds no capture (any more).
-  void disarm(int64_t id) {
-    at_(id).clear();
-    armed_[static_cast<size_t>(id)] = false;
-  }
+  void disarm(int64_t id) { at_(id).reset(); }
 
   // Replays when the signature of `inputs` holds a capture and every fixed input is where the
   // capture read it: returns the outputs (a new reference) and sets `replayed`. Otherwise
@@ -240,10 +165,10 @@ class ReplayIndex {
     replayed = false;
     moved = -1;
     why = 0;
-    if (last_id < 0 || !armed_[static_cast<size_t>(last_id)]) {
+    if (last_id < 0 || !replays_[static_cast<size_t>(last_id)].has_value()) {
       Py_RETURN_NONE;
     }
-    Replay& r = replays_[static_cast<size_t>(last_id)];
+    const Replay& r = *replays_[static_cast<size_t>(last_id)];
     PyObject** items = PySequence_Fast_ITEMS(inputs);
     for (const auto& [i, ptr] : r.fixed) {
       if (reinterpret_cast<intptr_t>(THPVariable_Unpack(items[i]).const_data_ptr()) != ptr) {
@@ -266,11 +191,10 @@ class ReplayIndex {
       at::Tensor target = c.target;  // a handle: copy_ writes the buffer it shares
       target.copy_(c.whole ? bytes_of(x.storage(), device_) : x);
     }
-    PyObject* done = PyObject_CallNoArgs(r.replay);
-    if (done == nullptr) {
+    py::object done = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(r.replay.ptr()));
+    if (!done) {
       throw_python_error();
     }
-    Py_DECREF(done);
     replayed = true;
     ++counts_[static_cast<size_t>(last_id)];
     return outputs(r, items);
@@ -284,11 +208,7 @@ class ReplayIndex {
 
   // Forget every signature.
   void clear() {
-    for (Replay& r : replays_) {
-      r.clear();
-    }
     replays_.clear();
-    armed_.clear();
     counts_.clear();
     ids_.clear();
     previous_.reset();
@@ -316,7 +236,7 @@ class ReplayIndex {
     return sig;
   }
 
-  Replay& at_(int64_t id) {
+  std::optional<Replay>& at_(int64_t id) {
     TORCH_CHECK_INDEX(
         id >= 0 && static_cast<size_t>(id) < replays_.size(),
         "fxrt: no input signature has id ",
@@ -349,9 +269,9 @@ class ReplayIndex {
     }
     for (size_t k = 0; k < r.leaves.size(); ++k) {
       const Replay::Leaf& leaf = r.leaves[k];
-      PyObject* obj = leaf.value;
+      PyObject* obj = nullptr;
       if (leaf.kind == 0) {
-        Py_INCREF(obj);
+        obj = leaf.value.inc_ref().ptr();
       } else {
         const c10::Storage& storage = leaf.kind == 1
             ? THPVariable_Unpack(items[leaf.index]).storage()
@@ -365,7 +285,7 @@ class ReplayIndex {
       }
       PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), obj);
     }
-    PyObject* out = PyObject_CallOneArg(r.build, list);
+    PyObject* out = PyObject_CallOneArg(r.build.ptr(), list);
     Py_DECREF(list);
     if (out == nullptr) {
       throw_python_error();
@@ -375,9 +295,8 @@ class ReplayIndex {
 
   c10::Device device_;
   std::unordered_map<Signature, int64_t, SignatureHash> ids_;
-  std::vector<Replay> replays_;
-  std::vector<bool> armed_;
-  std::vector<int64_t> counts_;
+  std::vector<std::optional<Replay>> replays_;  // by id; empty: no capture (yet)
+  std::vector<int64_t> counts_;  // replays run, by id
   std::optional<c10::Stream> previous_;
 };
 

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -21,28 +22,15 @@ namespace fxrt {
 // tuple of (type, value) would be.
 struct Signature {
   std::vector<int64_t> words;
-  std::vector<PyObject*> objects;  // owned references
+  std::vector<pybind11::object> objects;
   size_t hash = 0;
-
-  Signature() = default;
-  Signature(const Signature&) = delete;
-  Signature& operator=(const Signature&) = delete;
-  Signature(Signature&& o) noexcept
-      : words(std::move(o.words)), objects(std::move(o.objects)), hash(o.hash) {
-    o.objects.clear();
-  }
-  ~Signature() {
-    for (PyObject* obj : objects) {
-      Py_DECREF(obj);
-    }
-  }
 
   bool operator==(const Signature& o) const {
     if (hash != o.hash || words != o.words || objects.size() != o.objects.size()) {
       return false;
     }
     for (size_t i = 0; i < objects.size(); ++i) {
-      int eq = PyObject_RichCompareBool(objects[i], o.objects[i], Py_EQ);
+      int eq = PyObject_RichCompareBool(objects[i].ptr(), o.objects[i].ptr(), Py_EQ);
       if (eq != 1) {
         PyErr_Clear();  // an object that cannot be compared makes a signature of its own
         return false;
@@ -115,8 +103,7 @@ inline bool make_signature(PyObject* inputs, Signature& sig) {
       w.push_back(6);
       w.push_back(reinterpret_cast<intptr_t>(Py_TYPE(x)));
       mix(h, static_cast<uint64_t>(ph));
-      Py_INCREF(x);
-      sig.objects.push_back(x);
+      sig.objects.push_back(pybind11::reinterpret_borrow<pybind11::object>(x));
     }
   }
   for (int64_t v : w) {

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import Graph, Ref, TensorMeta
+from ..ir.graph import Graph, Op, Ref, TensorMeta, is_contiguous
 from .arena import Slot
 
 # At most this many elements: where ATen would split the work between threads (its GRAIN_SIZE).
@@ -36,7 +36,7 @@ _FORMS = {
 def elementwise_form(graph: Graph, slot: Slot) -> str:
     """The inline form of the out= call that writes ``slot`` ("add", "sub", "mul",
     "clamp_min"), or "" when it has none."""
-    form = _FORMS.get(_name(slot.out_target))
+    form = _FORMS.get(Op.of(slot.out_target).name)
     if form is None:
         return ""
     out = graph.values[slot.value].meta
@@ -65,13 +65,6 @@ def elementwise_form(graph: Graph, slot: Slot) -> str:
     return form
 
 
-def _name(target: Any) -> str:
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return ""
-    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
-
-
 def _number(x: Any) -> bool:
     return type(x) in (int, float)  # not a bool
 
@@ -81,14 +74,13 @@ def _numel(meta: TensorMeta) -> int:
 
 
 def _dense_float(meta: TensorMeta | None) -> bool:
-    if meta is None or not meta.is_static or meta.dtype != torch.float32 or meta.device != "cpu":
-        return False
-    expected = 1
-    for size, stride in zip(reversed(meta.shape), reversed(meta.stride)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    return (
+        meta is not None
+        and meta.is_static
+        and meta.dtype == torch.float32
+        and meta.device == "cpu"
+        and is_contiguous(meta)
+    )
 
 
 def _operand(graph: Graph, x: Any, out: TensorMeta) -> str | None:

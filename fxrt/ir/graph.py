@@ -44,6 +44,22 @@ class TensorMeta:
         return f"{dt}[{dims}]" + ("" if self.device == "cpu" else f"@{self.device}")
 
 
+def is_contiguous(meta: TensorMeta) -> bool:
+    """``meta``'s strides are the contiguous ones for its (static or symbolic) shape."""
+    expected: Any = 1
+    for size, stride in zip(reversed(meta.shape), reversed(meta.stride)):
+        if size != 1 and stride != expected:
+            return False
+        expected = size if expected == 1 else _product(expected, size)
+    return True
+
+
+def _product(a: Any, b: Any) -> Any:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    return f"{a}*{b}"  # symbolic: compared as printed, which is what the IR holds
+
+
 class ValueKind(enum.Enum):
     TENSOR = "tensor"
     SYM = "sym"  # SymInt / SymFloat / SymBool

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import Graph, Node, Ref, TensorMeta
+from ..ir.graph import Graph, Node, Ref, TensorMeta, is_contiguous
 
 
 class GraphIndex:
@@ -95,22 +95,6 @@ def last_dim(meta: TensorMeta, dims: Any) -> bool:
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or type(dims[0]) is not int:
         return False
     return dims[0] in (-1, len(meta.shape) - 1)
-
-
-def is_contiguous(meta: TensorMeta) -> bool:
-    """``meta``'s strides are the contiguous ones for its (static or symbolic) shape."""
-    expected: Any = 1
-    for size, stride in zip(reversed(meta.shape), reversed(meta.stride)):
-        if size != 1 and stride != expected:
-            return False
-        expected = size if expected == 1 else _product(expected, size)
-    return True
-
-
-def _product(a: Any, b: Any) -> Any:
-    if isinstance(a, int) and isinstance(b, int):
-        return a * b
-    return f"{a}*{b}"  # symbolic: compared as printed, which is what the IR holds
 
 
 __all__ = ["GraphIndex", "is_contiguous", "last_dim"]
