@@ -121,6 +121,33 @@ def test_through_torch_compile_and_a_warm_cache(executor, tmp_path):
         assert cache.stats.get("hit", 0) == hits + attempt
 
 
+def test_a_warm_second_process_runs_the_forms_of_its_cache_hit(executor, tmp_path):
+    """A cold process and then a warm one on the same cache directory: the hit's program has the
+    same inline forms as the miss's, and both give eager's bits on new inputs."""
+    skip_unless_executor(executor)
+    script = """
+        import json, torch, fxrt
+        from conftest import recording_compiles
+        from test_elementwise import adversarial, bitwise_equal
+
+        def fn(x, b):
+            return torch.sin(torch.relu(x * 0.5 + b) - x)
+
+        f = torch.compile(fn, backend="fxrt")
+        with recording_compiles() as built:
+            for seed in range(3):
+                x, b = adversarial(3, 40, seed=seed), adversarial(40, seed=seed + 7)
+                bitwise_equal(f(x, b), fn(x, b))
+        forms = [i.elementwise for i in built[0].program.code if getattr(i, "elementwise", "")]
+        print(json.dumps({"forms": forms, "stats": dict(fxrt.cache.stats)}))
+    """
+    env = {"PYTHONPATH": os.path.dirname(__file__)}
+    cold = run_child(script, tmp_path, executor, env=env)
+    warm = run_child(script, tmp_path, executor, env=env)
+    assert cold["stats"].get("hit", 0) == 0 and warm["stats"].get("hit", 0) >= 1, (cold, warm)
+    assert warm["forms"] == cold["forms"] == ["mul", "add", "clamp_min", "sub"], (cold, warm)
+
+
 def test_the_compiled_loop_writes_them_without_the_dispatcher(executor):
     """Under torch.profiler, which records every op the dispatcher runs: the compiled loop's
     inline adds and muls call no aten::add or aten::mul (sin still does); the Python loop's do."""
