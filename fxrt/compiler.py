@@ -9,27 +9,28 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
 
 from . import profiler
 from .cache import stats as cache_stats
-from .cache.lookup import cached_compile
 from .config import CompilerConfig
-from .exec.capture import CaptureReport, CaptureRunner
+from .exec.capture_report import CaptureReport
 from .exec.interp import PythonLoop
-from .exec.native import NativeLoop, NativeReplayIndex, native_available
+from .exec.native import NativeLoop, native_available
 from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program
-from .exec.replays import ReplayIndex
 from .exec.streams import node_stream_labels
 from .ir import Graph, from_fx, graph_to_text
 from .modes import gc_paused, outside_inference_mode
-from .passes import PassRecord
-from .pipeline import compile_stages, lower_program
+from .records import PassRecord
 from .serialize import dump_graph, load_graph
+from .stage import lower_program
+
+if TYPE_CHECKING:
+    from .exec.capture import CaptureRunner
 
 log = logging.getLogger("fxrt")
 
@@ -77,6 +78,12 @@ class CompiledGraph:
         self.name = f"graph{next(_graph_ids)}"  # names this graph in profiles and traces
         self._capture: CaptureRunner | None = None
         if config.capture_enabled:
+            # Imported here: a graph that does not capture (every CPU graph, every load) never
+            # needs the capture machinery.
+            from .exec.capture import CaptureRunner
+            from .exec.native import NativeReplayIndex
+            from .exec.replays import ReplayIndex
+
             loop_class = type(self._loop)
             self._capture = CaptureRunner(
                 self.name,
@@ -268,6 +275,8 @@ def _compile_cached(
     """``gm`` through the compile cache. The cache key is the IR of ``gm``; on a miss the
     pipeline takes that conversion as its ``from_fx`` stage's, unless a user pre pass changes
     ``gm`` first (then the pipeline converts what the pass left)."""
+    from .cache.lookup import cached_compile  # the compile side only: a load needs no lookup
+
     if not config.cache:
         return _compile(gm, example_inputs, config, owned_constants=owned_constants)
     t0 = time.perf_counter()
@@ -302,6 +311,10 @@ def _compile(
     graph's constants are its own (tensor literals Dynamo or AOTAutograd made; the model's
     weights are graph inputs there), so constant folding may fold them. Else only
     ``config.freeze`` lets it fold them."""
+    # The compile side: a graph loaded from an artifact, the cache or PyTorch's precompile
+    # imports none of the pipeline's FX-side stages and passes (see fxrt.stage).
+    from .pipeline import compile_stages
+
     cache_stats["compiled"] += 1
     with outside_inference_mode():  # what folding makes serves calls outside it too
         c = compile_stages(

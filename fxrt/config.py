@@ -17,6 +17,35 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+# The built-in passes (their functions: fxrt.passes.PASSES, which checks it has these names). Named
+# here, with the lists each optimization level runs, so that a config is validated without
+# importing the passes (a graph loaded from an artifact needs none of them).
+PASS_NAMES = (
+    "eliminate_dead_code",
+    "remove_noops",
+    "eliminate_common_subexpressions",
+    "fold_constants",
+    "fuse_attention",
+    "fuse_patterns",
+)
+
+# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding,
+# attention fusion (after folding, which turns a mask made in forward into a constant) and the
+# fused patterns (fxrt.patterns; after attention fusion, whose K/V they may un-repeat).
+LEVELS: dict[int, tuple[str, ...]] = {
+    0: (),
+    1: ("remove_noops", "eliminate_common_subexpressions", "eliminate_dead_code"),
+    2: (
+        "fold_constants",
+        "fuse_attention",
+        "fuse_patterns",
+        "remove_noops",
+        "eliminate_common_subexpressions",
+        "eliminate_dead_code",
+    ),
+}
+
+
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -212,21 +241,17 @@ class CompilerConfig:
             raise ValueError(f"fxrt: capture_warmup must be >= 0, got {self.capture_warmup}")
         if self.capture_limit < 1:
             raise ValueError(f"fxrt: capture_limit must be >= 1, got {self.capture_limit}")
-        from .passes import LEVELS, PASSES
-
         if self.opt_level not in LEVELS:
             raise ValueError(
                 f"fxrt: opt_level must be one of {sorted(LEVELS)}, got {self.opt_level!r}"
             )
         if self.passes is not None:
-            unknown = [p for p in self.passes if p not in PASSES]
+            unknown = [p for p in self.passes if p not in PASS_NAMES]
             if isinstance(self.passes, str) or unknown:
                 raise ValueError(
                     f"fxrt: unknown pass(es) {unknown or self.passes!r}; "
-                    f"valid passes: {', '.join(PASSES)}"
+                    f"valid passes: {', '.join(PASS_NAMES)}"
                 )
-
-        from .patterns import registered_patterns
 
         if isinstance(self.disable_patterns, str) or not all(
             isinstance(p, str) for p in self.disable_patterns
@@ -235,23 +260,27 @@ class CompilerConfig:
                 "fxrt: option 'disable_patterns' must be a list of pattern names, got "
                 f"{self.disable_patterns!r}"
             )
-        unknown = sorted(set(self.disable_patterns) - set(registered_patterns()))
-        if unknown:
-            raise ValueError(
-                f"fxrt: unknown pattern(s) {', '.join(map(repr, unknown))} in disable_patterns; "
-                f"registered patterns: {', '.join(registered_patterns())}"
-            )
         self.disable_patterns = sorted(set(self.disable_patterns))
+        if self.disable_patterns:
+            self._check_pattern_names()
 
     @property
     def capture_enabled(self) -> bool:
         """Whether whole-graph capture is on (``capture``, else the mode)."""
         return self.capture if self.capture is not None else self.mode == "reduce-overhead"
 
+    def _check_pattern_names(self) -> None:
+        from .patterns import registered_patterns  # only when some are named: a load needs none
+
+        unknown = sorted(set(self.disable_patterns) - set(registered_patterns()))
+        if unknown:
+            raise ValueError(
+                f"fxrt: unknown pattern(s) {', '.join(map(repr, unknown))} in disable_patterns; "
+                f"registered patterns: {', '.join(registered_patterns())}"
+            )
+
     def pass_names(self) -> tuple[str, ...]:
         """The built-in passes to run, in order."""
-        from .passes import LEVELS
-
         return tuple(self.passes) if self.passes is not None else LEVELS[self.opt_level]
 
     @classmethod

@@ -28,7 +28,7 @@ ops, and a node a user overrode no longer has the ATen op the rewrite looks for,
 override wins. Streams are ordered last, on the graph that will run: a rewrite may move a use to
 another stream.
 
-The manager, :func:`run_stage`, does the same for every stage:
+The manager, :func:`fxrt.stage.run_stage`, does the same for every stage:
 
 * times it, and records ``PassRecord(name, seconds, changed)`` in ``Compilation.records`` (the
   built-in passes' records also in ``Compilation.pass_records``, which ``CompiledGraph``
@@ -45,8 +45,10 @@ The manager, :func:`run_stage`, does the same for every stage:
   the arena and the program listing for the last three). :mod:`fxrt.compiler` writes the final
   files (``ir.txt``, ``program.txt``, ``ir.dot``) once the executor is built.
 
-:func:`compile_stages` runs the whole list on an FX graph; :func:`lower_program` runs the stages
-after ``plan_lifetimes`` on a graph and plan loaded from an artifact or the cache.
+:func:`compile_stages` runs the whole list on an FX graph; :func:`~fxrt.stage.lower_program` runs
+the stages after ``plan_lifetimes`` on a graph and plan loaded from an artifact, the cache or a
+package. The manager, the stage type and the planning stages live in :mod:`fxrt.stage`, so that a
+load imports neither the passes nor the FX-side stages.
 
 The pipeline is a module of its own, above :mod:`fxrt.passes`, :mod:`fxrt.ops` and
 :mod:`fxrt.exec`, because its stages come from all three; :mod:`fxrt.passes` stays a set of
@@ -55,9 +57,7 @@ The pipeline is a module of its own, above :mod:`fxrt.passes`, :mod:`fxrt.ops` a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx
@@ -65,76 +65,18 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .config import CompilerConfig
 from .dump import Dumper
-from .exec.arena import ArenaPlan, plan_arena, verify_arena
-from .exec.plan import Plan, plan_lifetimes
-from .exec.program import Program, lower
-from .exec.views import inline_views
-from .ir import Graph, from_fx, verify
-from .ir.snapshot import Snapshot, changed_since
+from .ir import Graph, from_fx
 from .ir.to_fx import to_fx
 from .ops.overrides import apply_kernel_overrides
 from .ops.own_ops import available as own_ops_available
 from .ops.own_ops import use_own_ops
-from .passes import (
-    DEFAULT_MAX_BYTES,
-    PASSES,
-    PassError,
-    PassRecord,
-    fold_constants,
-    fuse_attention,
-    fuse_patterns,
-)
+from .passes import DEFAULT_MAX_BYTES, PASSES, fold_constants, fuse_attention, fuse_patterns
 from .passes.assign_streams import assign_streams
 from .passes.fuse_attention import FUSED_ATTENTION
 from .passes.host_graph import REWRITES as HOST_GRAPH_REWRITES
 from .passes.synchronize_streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
-
-
-@dataclass
-class Compilation:
-    """What the stages hand on to each other, and what they recorded."""
-
-    config: CompilerConfig
-    gm: torch.fx.GraphModule | None = None  # the FX graph, while a stage works on FX
-    example_inputs: Sequence[Any] | None = None
-    # The graph's constants are its own (tensor literals Dynamo or AOTAutograd made; the model's
-    # weights are graph inputs there), so constant folding may fold them. Else only
-    # ``config.freeze`` lets it.
-    owned_constants: bool = False
-    graph: Graph | None = None
-    plan: Plan | None = None
-    arena: ArenaPlan | None = None
-    views: frozenset[int] = frozenset()  # node indices made inline on calls with the arena
-    program: Program | None = None
-    records: list[PassRecord] = field(default_factory=list)  # every stage that ran, in order
-    pass_records: list[PassRecord] = field(default_factory=list)  # the built-in passes'
-    dump: Dumper | None = None
-    # Seconds of a stage's work done before the pipeline ran, added to its record: the cache
-    # key's conversion, which the ``from_fx`` stage reuses.
-    done_before: dict[str, float] = field(default_factory=dict)
-
-
-def _always(_config: CompilerConfig) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One step of the pipeline (see the module docstring)."""
-
-    name: str  # its record's name: a verb, or the user pass's option name
-    # What it makes, which says how it is checked and whether it can change the graph:
-    # "fx" (edits Compilation.gm), "ir" (a new graph from FX), "graph" (a rewrite of the
-    # graph), "plan", "arena" or "program".
-    makes: str
-    run: Callable[[Compilation], None]
-    when: Callable[[CompilerConfig], bool] = _always
-    dumps: str = "ir"  # what its dump file holds: "fx", "ir", "plan", "arena" or "program"
-    dump_name: str | None = None  # default: after_<name>.txt
-    builtin_pass: bool = False
-    # The placeholder for the built-in passes: the stages that stand in its place.
-    expand: Callable[[CompilerConfig], tuple[Stage, ...]] | None = None
+from .stage import PLANNING, Compilation, Stage, lower_program, run_stage
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,27 +126,6 @@ def _synchronize_streams(c: Compilation) -> None:
         c.graph = remove_streams(c.graph)
     else:
         c.graph = synchronize_streams(c.graph, strict=c.config.strict_streams)
-
-
-def _plan_lifetimes(c: Compilation) -> None:
-    c.plan = plan_lifetimes(c.graph)
-
-
-def _plan_arena(c: Compilation) -> None:
-    views = inline_views(c.graph)
-    c.arena = plan_arena(c.graph, c.plan, views)
-    c.views = views if c.arena is not None else frozenset()
-
-
-def _lower(c: Compilation) -> None:
-    c.program = lower(
-        c.graph,
-        c.plan,
-        c.arena,
-        c.views,
-        check_inputs=c.config.check_inputs,
-        elementwise=c.config.own_ops,
-    )
 
 
 def _builtin_pass(name: str) -> Callable[[Compilation], None]:
@@ -272,9 +193,7 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("use_own_ops", "graph", _use_own_ops, when=lambda config: config.own_ops),
     Stage("assign_streams", "graph", _assign_streams, when=lambda config: config.streams == "auto"),
     Stage("synchronize_streams", "graph", _synchronize_streams),
-    Stage("plan_lifetimes", "plan", _plan_lifetimes, dumps="plan"),
-    Stage("plan_arena", "arena", _plan_arena, when=lambda config: config.arena, dumps="arena"),
-    Stage("lower", "program", _lower, dumps="program"),
+    *PLANNING,
 )
 
 
@@ -290,66 +209,6 @@ def stages(config: CompilerConfig, after: str | None = None) -> list[Stage]:
         elif s.when(config):
             out.append(s)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# The manager
-
-
-def run_stage(c: Compilation, stage: Stage) -> PassRecord:
-    """Run one stage on ``c``: timed, checked, recorded and dumped (see the module docstring)."""
-    makes = stage.makes
-    check = c.config.verify
-    before: Any = None
-    if makes == "graph":
-        before = Snapshot(c.graph)
-    elif makes == "fx":
-        before = getattr(c.gm, "code", None)
-    t0 = time.perf_counter()
-    try:
-        stage.run(c)
-        if makes == "graph":
-            changed = changed_since(before, c.graph)
-        elif makes == "fx":
-            changed = getattr(c.gm, "code", None) != before
-        else:
-            changed = makes == "ir"
-        if check and changed and makes in ("ir", "graph"):
-            verify(c.graph)
-        elif check and makes == "arena" and c.arena is not None:
-            verify_arena(c.graph, c.plan, c.arena)
-    except Exception as e:
-        if stage.builtin_pass:
-            raise PassError(f"fxrt pass {stage.name!r} failed: {type(e).__name__}: {e}") from e
-        raise
-    seconds = time.perf_counter() - t0 + c.done_before.pop(stage.name, 0.0)
-    record = PassRecord(stage.name, seconds, changed)
-    c.records.append(record)
-    if stage.builtin_pass:
-        c.pass_records.append(record)
-    if c.dump is not None:
-        _dump(c.dump, stage, c)
-    return record
-
-
-def _dump(dump: Dumper, stage: Stage, c: Compilation) -> None:
-    name = stage.dump_name or f"after_{stage.name}.txt"
-    what = stage.dumps
-    if what == "fx":
-        dump.fx(name, c.gm)
-    elif what == "ir":
-        dump.ir(name, c.graph)
-    elif what == "program":
-        dump.numbered(name, str(c.program))
-    else:
-        names = {v.id: v.name for v in c.graph.values}
-        if what == "plan":
-            text = c.plan.text(names)
-        elif c.arena is not None:
-            text = c.arena.text(names)
-        else:
-            text = "no arena: no value can live in one and no view is made inline"
-        dump.numbered(name, text)
 
 
 def run(c: Compilation, after: str | None = None) -> Compilation:
@@ -387,14 +246,6 @@ def compile_stages(
     elif graph is not None:
         c.done_before["from_fx"] = graph_seconds
     return run(c)
-
-
-def lower_program(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
-    """The stages after ``plan_lifetimes`` (arena, lower) on a graph and its plan, as a loaded
-    artifact or cache entry has them; nothing is dumped or kept of their records."""
-    c = run(Compilation(config, graph=graph, plan=plan), after="plan_lifetimes")
-    assert c.program is not None
-    return c.program
 
 
 __all__ = [

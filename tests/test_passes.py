@@ -420,3 +420,13 @@ def test_model_tests_run_the_passes():
         m = copy.deepcopy(MLP(16, 1).eval())
         torch.compile(m, backend="fxrt")(torch.randn(1, 16))
     assert built and built[0].pass_records
+
+
+def test_the_config_names_every_builtin_pass():
+    """fxrt.config validates ``passes`` and ``opt_level`` without importing a pass: its names
+    are fxrt.passes.PASSES's, in order, and every level runs only those."""
+    from fxrt.config import LEVELS, PASS_NAMES
+    from fxrt.passes import PASSES
+
+    assert tuple(PASSES) == PASS_NAMES
+    assert all(set(names) <= set(PASS_NAMES) for names in LEVELS.values())

@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,13 +40,13 @@ from ..ops.overrides import registry_fingerprint
 from ..ops.own_ops import available as own_ops_available
 from ..patterns import registry_fingerprint as pattern_fingerprint
 from ..serialize import FORMAT, versions
+from . import stats  # noqa: F401 (re-exported)
 from .store import Store, cache_dir
 
 # What an entry's key was computed on. "dynamo": the graph Dynamo hands over, before fxrt traces
 # it to ATen (a hit skips the trace); "aten": an ATen graph as handed over (AOTAutograd's
 # forward/backward, ``compile_graph``'s argument).
 LEVELS = {"dynamo": "before the ATen trace", "aten": "on the ATen graph handed over"}
-stats: Counter[str] = Counter()  # "hit", "miss", "stored", "rejected", "uncached", "compiled"
 log = logging.getLogger("fxrt")
 # Where things go, or how the loaded program runs (a hit is lowered under the caller's config):
 # not what is compiled.

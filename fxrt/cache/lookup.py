@@ -27,7 +27,8 @@ from ..ir import Graph
 from ..modes import gc_paused, outside_inference_mode
 from ..serialize import SerializationError, decode_graph, encode_graph
 from ..shapefacts import ShapeFacts
-from .keys import LEVELS, Unkeyable, cache_key, graph_name, open_store, stats
+from . import stats
+from .keys import LEVELS, Unkeyable, cache_key, graph_name, open_store
 from .store import Store
 
 log = logging.getLogger("fxrt")

@@ -40,7 +40,7 @@ from ..compiler import CompiledGraph, compile_graph
 from ..config import CompilerConfig
 from ..exec.program import OutCall
 from ..ir.graph import Op, Ref, ValueKind
-from ..pipeline import lower_program
+from ..stage import lower_program
 from ..serialize import SerializationError, encode_graph, versions
 from . import package
 from .program_data import cpp_runnable, encode_program

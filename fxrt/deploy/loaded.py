@@ -68,7 +68,7 @@ from ..exec.inputs import InputError
 from ..exec.native import NativeLoop, NativePackageEntry
 from ..ir.graph import OpKind
 from ..modes import gc_paused
-from ..pipeline import lower_program
+from ..stage import lower_program
 from ..serialize import FORMAT as GRAPH_FORMAT
 from ..serialize import SerializationError, decode_graph, resolve_op
 from . import package

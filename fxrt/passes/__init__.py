@@ -2,7 +2,7 @@
 
 A pass is a function ``Graph -> Graph`` named with a verb, one file each (the one exception:
 :mod:`~fxrt.passes.host_graph`, FX rewrites of Inductor's host graph, run before the conversion).
-:data:`PASSES` names the built-in ones and :data:`LEVELS` the lists ``opt_level`` selects
+:data:`PASSES` names the built-in ones and :data:`LEVELS` (from :mod:`fxrt.config`) the lists ``opt_level`` selects
 (``CompilerConfig.pass_names()`` says which run). Running them is the compile pipeline's job
 (:mod:`fxrt.pipeline`): it runs each configured pass as a stage of its own, with the other rewrites
 of the pipeline, verifies the graph after it if it changed, and records a :class:`PassRecord` (name,
@@ -18,9 +18,10 @@ the arena or the lowering.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from ..config import LEVELS, PASS_NAMES  # noqa: F401 (re-exported)
 from ..ir import Graph
+from ..records import PassError, PassRecord
 from .eliminate_common_subexpressions import eliminate_common_subexpressions
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_constants import DEFAULT_MAX_BYTES, fold_constants
@@ -37,36 +38,9 @@ PASSES: dict[str, Callable[..., Graph]] = {
     "fuse_attention": fuse_attention,
     "fuse_patterns": fuse_patterns,
 }
+# fxrt.config validates options against PASS_NAMES, without importing a pass: the same names, in
+# the same order (tests/test_passes.py checks it).
 
-# Optimization levels: 0 runs nothing; 1 the cheap clean-ups; 2 (default) adds constant folding,
-# attention fusion (after folding, which turns a mask made in forward into a constant) and the
-# fused patterns (fxrt.patterns; after attention fusion, whose K/V they may un-repeat).
-LEVELS: dict[int, tuple[str, ...]] = {
-    0: (),
-    1: ("remove_noops", "eliminate_common_subexpressions", "eliminate_dead_code"),
-    2: (
-        "fold_constants",
-        "fuse_attention",
-        "fuse_patterns",
-        "remove_noops",
-        "eliminate_common_subexpressions",
-        "eliminate_dead_code",
-    ),
-}
-
-
-class PassError(RuntimeError):
-    """A graph pass failed; the message names the pass."""
-
-
-@dataclass(frozen=True)
-class PassRecord:
-    """What one stage of the compile pipeline did: its name, its wall time in seconds (its
-    verification included) and whether it changed the graph's text."""
-
-    name: str
-    seconds: float
-    changed: bool
 
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import PassError
+from ..records import PassError
 
 
 def run_user_pass(

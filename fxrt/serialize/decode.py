@@ -13,7 +13,7 @@ from ..artifact import ArtifactError, TensorRecord, decode_tensor
 from ..exec.plan import Plan, plan_lifetimes
 from ..ir.graph import Graph, Node, Op, OpKind, Ref, TensorMeta, Value, ValueKind
 from ..ir.verify import VerificationError, verify
-from ..passes import PassRecord
+from ..records import PassRecord
 from .format import (
     _DTYPES,
     _FORMATS,
