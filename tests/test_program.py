@@ -46,10 +46,10 @@ def test_chain_frees_each_intermediate_after_its_last_use():
         program(%x_1, %w_1): 9 registers
           arena  128 bytes, 3 slots
              0  OUT    %mm = aten::mm(%x_1, %w_1) -> arena[0:64] via aten::mm.out
-             1  OUT    %relu = aten::relu(%mm) -> arena[64:128] via aten::clamp_min.out(%mm, 0, out=%relu) (inline clamp_min)
+             1  OUT    %relu = aten::relu(%mm) -> arena[0:64] via aten::clamp_min.out(%mm, 0, out=%relu) (inline clamp_min)
              2  FREE   %mm
              3  VIEW   %t = aten::t(%relu) (inline)
-             4  OUT    %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[0:16] via aten::sum.IntList_out
+             4  OUT    %sum_1 = aten::sum.dim_IntList(%t, [0]) -> arena[64:80] via aten::sum.IntList_out
              5  FREE   %relu, %t
              6  CALL   %sigmoid = aten::sigmoid(%x_1)
              7  CALL   %sum_2 = aten::sum(%sigmoid)
@@ -60,7 +60,8 @@ def test_chain_frees_each_intermediate_after_its_last_use():
     # 4x4 float32 = 64 bytes: mm and relu are live together (128), then relu + sums, etc.
     assert cg.plan.peak_bytes == 128
     assert cg.plan.live_bytes == (64, 128, 64, 80, 80, 84, 100)
-    # mm, relu and sum_1 live in a 128-byte arena (sum_1 where mm was, once mm is freed); the
+    # mm, relu and sum_1 live in a 128-byte arena (relu written over mm in place, which a
+    # pointwise op may do: fxrt.exec.inplace; sum_1 after them, 80 bytes aligned to 128); the
     # outputs sigmoid (64) and add (4) and the 4-byte sum_2 do not.
     assert cg.program.arena.live_bytes(cg.plan) == [128, 128, 128, 128, 192, 196, 212]
 

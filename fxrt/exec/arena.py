@@ -18,8 +18,11 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    lifetime plan frees the value's alias set (views of it extend it).
 3. Offsets: greedy by size, as in Static Runtime and TFLite: largest first, each at the lowest
    64-byte aligned offset that overlaps no placed slot whose interval overlaps its own. The
-   placed slots are indexed by interval (a segment tree over node indices), so finding those
-   that overlap a new one in time costs O(log n) plus what it finds, not a scan of all of them.
+   placed slots are indexed by interval (a segment tree over node indices,
+   :mod:`fxrt.exec.intervals`), so finding those that overlap a new one in time costs O(log n)
+   plus what it finds, not a scan of all of them. A chain of results written over one another in
+   place (a pointwise op's result over an operand that dies at it, :mod:`fxrt.exec.inplace`) is
+   placed as one item, busy from its first member's node to its last one's end.
    :func:`verify_arena` checks the result with a sweep over node indices, not a test of every
    pair of slots, so compiling stays near-linear in the graph's length.
 4. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
@@ -50,6 +53,8 @@ import torch
 
 from ..ir.graph import Graph, OpKind, Ref, ValueKind
 from ..ops.aliasing import is_collective
+from .inplace import takes_over as in_place_candidates
+from .intervals import SlotIndex
 from .plan import Plan
 from .streams import shared_values
 
@@ -86,6 +91,9 @@ class Slot:
     out_target: Any = field(default=None, compare=False)
     out_args: tuple[Any, ...] = field(default=(), compare=False)
     out_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The value whose slot this one takes over in place at its first node (same bytes; see
+    # fxrt.exec.inplace), or -1.
+    takes_over: int = -1
 
 
 @dataclass(frozen=True)
@@ -143,9 +151,10 @@ class ArenaPlan:
         lines = [f"arena: {self.nbytes} bytes, {len(self.slots)} slots"]
         for i, s in enumerate(self.slots):
             name = names[s.value] if names else str(s.value)
-            lines.append(
-                f"  slot {i}: %{name} [{s.offset}, {s.offset + s.nbytes}) nodes {s.first}..{s.last}"
-            )
+            line = f"  slot {i}: %{name} [{s.offset}, {s.offset + s.nbytes}) nodes {s.first}..{s.last}"
+            if s.takes_over >= 0:
+                line += f" (in place of %{names[s.takes_over] if names else s.takes_over})"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -283,22 +292,26 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
     items = [it for it in items if graph.values[it[0]].meta.device == device]
     if not items and not views:
         return None
-    placed = _Placed(len(graph.nodes))
+    placed = SlotIndex(len(graph.nodes))
     shared = shared_values(graph)  # on side streams: busy over the whole program
     whole = (0, max(len(graph.nodes) - 1, 0))
-    for vid, nbytes, first, last, call in sorted(items, key=lambda it: (-it[1], it[2])):
-        since, until = whole if vid in shared else (first, last)
-        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(since, until))
+    # Each chain of results written over one another in place (fxrt.exec.inplace) is placed as
+    # one item, busy from its first member's node to its last one's end; largest first.
+    for chain in sorted(_in_place_chains(graph, items, shared), key=lambda c: (-c[0][1], c[0][2])):
+        nbytes = chain[0][1]
+        since, until = whole if chain[0][0] in shared else (chain[0][2], chain[-1][3])
         offset = 0
-        for lo, hi in busy:
+        for lo, hi in sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(since, until)):
             if offset + nbytes <= lo:
                 break
             offset = max(offset, _align(hi))
-        meta = graph.values[vid].meta
-        shape, stride = tuple(meta.shape), tuple(meta.stride)
-        placed.add(
-            Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call), since, until
-        )
+        before = -1
+        for vid, _, first, last, call in chain:
+            meta = graph.values[vid].meta
+            shape, stride = tuple(meta.shape), tuple(meta.stride)
+            slot = Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call, before)
+            placed.add(slot, *(whole if vid in shared else (first, last)))
+            before = vid
     slots = tuple(sorted(placed.slots, key=lambda s: s.first))
     guards = []
     for pos, vid in enumerate(graph.inputs):
@@ -313,70 +326,35 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
     )
 
 
-class _Placed:
-    """The slots placed so far, indexed by their node intervals, so that finding those live at
-    the same time as a new one costs O(log n + found) rather than a scan of every placed slot
-    (which made placement quadratic in the graph's length).
-
-    A placed slot overlaps ``[first, last]`` in time when it starts inside it, or starts before
-    ``first`` and is still live at ``first``. The first kind comes from the sorted start
-    indices; the second from a segment tree over node indices where each slot is stored at the
-    O(log n) tree nodes whose ranges tile its interval, so the slots live at ``first`` are those
-    stored on the path from ``first``'s leaf to the root. The two kinds are disjoint, so no slot
-    is reported twice.
-    """
-
-    def __init__(self, n_nodes: int):
-        self.slots: list[Slot] = []  # in placement order
-        self.size = 1 << max(n_nodes - 1, 0).bit_length()  # leaves: a power of two >= n_nodes
-        # Per tree node (1 is the root, leaf i is size + i): the slots busy over its whole range,
-        # with the node where each one's busy interval starts.
-        self.cover: list[list[tuple[Slot, int]] | None] = [None] * (2 * self.size)
-        self.firsts: list[int] = []  # distinct start indices, sorted
-        self.starting: dict[int, list[tuple[Slot, int]]] = {}  # start -> slots busy from there
-
-    def add(self, s: Slot, first: int, last: int) -> None:
-        """Place ``s``, busy over nodes ``first..last`` (its own interval, or a wider one)."""
-        self.slots.append(s)
-        cover = self.cover
-        lo, hi = first + self.size, last + self.size + 1
-        tiles = []  # the tree nodes whose ranges tile [first, last]
-        while lo < hi:
-            if lo & 1:
-                tiles.append(lo)
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                tiles.append(hi)
-            lo >>= 1
-            hi >>= 1
-        for k in tiles:
-            if cover[k] is None:
-                cover[k] = [(s, first)]
-            else:
-                cover[k].append((s, first))
-        if first not in self.starting:
-            bisect.insort(self.firsts, first)
-            self.starting[first] = []
-        self.starting[first].append((s, first))
-
-    def overlapping(self, first: int, last: int) -> list[Slot]:
-        """The placed slots with ``s.first <= last and first <= s.last``."""
-        found = []
-        cover = self.cover
-        k = first + self.size
-        while k:
-            here = cover[k]
-            if here is not None:
-                for s, busy_first in here:
-                    if busy_first < first:
-                        found.append(s)
-            k >>= 1
-        firsts, starting = self.firsts, self.starting
-        lo = bisect.bisect_left(firsts, first)
-        for i in range(lo, bisect.bisect_right(firsts, last, lo)):
-            found.extend(s for s, _ in starting[firsts[i]])
-        return found
+def _in_place_chains(graph: Graph, items: list[tuple], shared: Any) -> list[list[tuple]]:
+    """``items`` (value, bytes, first node, last node, call) grouped in chains, in node order:
+    each member after the first is written over the one before it in place, at its first node,
+    where that one's slot ends (:func:`fxrt.exec.inplace.takes_over`); values on side streams
+    stay alone."""
+    by_value = {it[0]: it for it in items}
+    made_by = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+    chain_of: dict[int, list[tuple]] = {}
+    chains = []
+    for it in sorted(items, key=lambda it: it[2]):
+        vid, first = it[0], it[2]
+        chain = None
+        if vid not in shared:
+            for owner in in_place_candidates(graph, made_by, first):
+                before = by_value.get(owner)
+                # Equal bytes: a dense operand with as many bytes as its owner's storage is all
+                # of it, from its first byte (a view's metadata does not say its offset).
+                ok = before is not None and before[1] == it[1] and before[3] == first
+                if ok and owner not in shared:
+                    c = chain_of[owner]
+                    if c[-1][0] == owner:  # nothing took it over yet
+                        chain = c
+                        break
+        if chain is None:
+            chain = []
+            chains.append(chain)
+        chain.append(it)
+        chain_of[vid] = chain
+    return chains
 
 
 def _align(n: int) -> int:
@@ -401,6 +379,19 @@ def verify_arena(graph: Graph, plan: Plan, arena: ArenaPlan) -> None:
             raise ArenaError(f"%{name[s.value]} outlives its arena slot")
         if graph.nodes[s.first].outputs != [s.value]:
             raise ArenaError(f"slot of %{name[s.value]}: node {s.first} does not make it")
+    by_value = {s.value: s for s in arena.slots}
+    made_by = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+    for s in arena.slots:
+        if s.takes_over < 0:
+            continue
+        t = by_value.get(s.takes_over)
+        if s.takes_over not in in_place_candidates(graph, made_by, s.first):
+            raise ArenaError(
+                f"%{name[s.value]} takes over the slot of %{name[s.takes_over]}, which its op "
+                "does not read element for element with the same geometry"
+            )
+        if t is None or (t.offset, t.nbytes, t.last) != (s.offset, s.nbytes, s.first):
+            raise ArenaError(f"%{name[s.value]} takes over a slot that does not end where it starts")
     clash = _live_overlap(arena.slots)
     if clash is not None:
         a, b = (arena.slots[i] for i in sorted(clash))
@@ -450,6 +441,8 @@ def _live_overlap(slots: tuple[Slot, ...]) -> tuple[int, int] | None:
 
 
 def _clash(a: Slot, b: Slot) -> bool:
+    if a.takes_over == b.value or b.takes_over == a.value:
+        return False  # one writes over the other in place (verify_arena checked the hand-over)
     live_together = a.first <= b.last and b.first <= a.last
     return live_together and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
