@@ -78,7 +78,6 @@ from .passes.synchronize_streams import remove_streams, synchronize_streams
 from .passes.user import run_user_pass
 from .stage import PLANNING, Compilation, Stage, lower_program, run_stage
 
-
 # ----------------------------------------------------------------------------------------------
 # The stages
 

@@ -180,6 +180,35 @@ def test_decoder_patterns(name: str, dynamic: bool, executor: str, tmp_path: Pat
     assert [fxrt.pattern_counts(cg) for cg in built] == [DECODER_PATTERNS] * len(built)
 
 
+# The same decoders in bfloat16, as a CPU deployment casts them: Llama-family norms widen to
+# float32 and cast back before the weight, which fxrt::rms_norm computes for a bfloat16 input;
+# rotary and the gated product in bfloat16 (Gemma's norm weights in float32: its unweighted-cast
+# norms fuse as float32 ones, its residual adds stay).
+BF16_PATTERNS = {
+    "llama": DECODER_PATTERNS,
+    "qwen2": DECODER_PATTERNS,
+    "gemma": {"rms_norm": 5, "rotary": 2, "gated_mlp": 2},
+}
+
+
+@pytest.mark.skipif(not native_available(), reason="the fused ops are fxrt's own (the extension)")
+@pytest.mark.parametrize("name", list(BF16_PATTERNS))
+def test_bfloat16_decoder_patterns(name: str, executor: str, tmp_path: Path) -> None:
+    skip_unless_executor(executor)
+    model = build(name).to(torch.bfloat16)
+    options = fxrt_options(executor, tmp_path)
+    with recording_compiles() as built:
+        compiled = torch.compile(model, backend="fxrt", options=options)
+        for shape in SHAPES[:2]:
+            ids = input_ids(*shape)
+            got = forward_output(compiled, name, ids).float()
+            want = forward_output(model, name, ids).float()
+            # each fused step within a bfloat16 ulp of eager's (docs/numerics.md)
+            torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6, msg=f"shape {shape}")
+    assert_ran_on(built, executor)
+    assert [fxrt.pattern_counts(cg) for cg in built] == [BF16_PATTERNS[name]] * len(built)
+
+
 # --- warm runs: a second process loads what the first one stored ------------------------------
 
 

@@ -33,7 +33,8 @@ def loops(program):
 def hand_overs(cg) -> dict[str, str]:
     """Slot value -> the value whose slot it took over, by name."""
     names = cg.program.reg_names
-    return {names[s.value]: names[s.takes_over] for s in cg.program.arena.slots if s.takes_over >= 0}
+    slots = cg.program.arena.slots
+    return {names[s.value]: names[s.takes_over] for s in slots if s.takes_over >= 0}
 
 
 def agree_with_eager(cg, fn, make_inputs):
@@ -115,7 +116,12 @@ def test_the_gated_product_takes_over_its_gate():
     def f(x, w1, w2, w3):
         return (torch.nn.functional.silu(x @ w1) * (x @ w2)) @ w3
 
-    inputs = lambda: (torch.randn(8, 16), torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 16))  # noqa: E731,E501
+    inputs = lambda: (
+        torch.randn(8, 16),
+        torch.randn(16, 64),
+        torch.randn(16, 64),
+        torch.randn(64, 16),
+    )  # noqa: E731,E501
     cg = compile_fn(f, *inputs())
     assert fxrt.pattern_counts(cg).get("gated_mlp") == 1
     taken = hand_overs(cg)

@@ -55,80 +55,104 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 
 namespace fxrt {
 namespace decoder_detail {
 
 // --- rms_norm -----------------------------------------------------------------------------------
 
-// O3: the elementwise loops vectorized with their tails (-O2's cost model leaves loops of
-// unknown length scalar); no reassociation, so each element rounds as before.
-[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void
-rms_norm_rows(
-    const float* x,
-    const float* res,  // added to x first (add_rms_norm), or nullptr
-    float* sum,  // x + res is stored here when res is given
-    const float* w,  // or nullptr
-    float* y,
+// Each row: the sum (x + res, add_rms_norm) rounded to T and stored, the mean square of x in
+// float32 (summed in vector lanes: another order of additions than ATen's mean), the normalized
+// value rounded to T, then times (w + offset) rounded to T (float32: no rounding at all; bfloat16:
+// each step as eager's bfloat16 ops round it, the norm itself in float32 as models write it).
+template <class T>
+[[gnu::always_inline]] inline void rms_norm_rows_body(
+    const T* x,
+    const T* res,  // added to x first (add_rms_norm), or nullptr
+    T* sum,  // x + res is stored here when res is given
+    const T* w,  // or nullptr
+    T* y,
     int64_t rows,
     int64_t n,
     float eps,
     float offset,
     bool eps_outside) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
     if (res != nullptr) {
-      const float* rr = res + r * n;
-      float* sr = sum + r * n;
+      const T* rr = res + r * n;
+      T* sr = sum + r * n;
       for (int64_t i = 0; i < n; ++i) {
-        sr[i] = xr[i] + rr[i];
+        sr[i] = narrow<T>(widen(xr[i]) + widen(rr[i]));
       }
       xr = sr;
     }
-    Lanes acc = {};
+    float acc[kLanes] = {};
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-      const Lanes v = load_lanes(xr + i);
-      acc += v * v;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const float v = widen(xr[i + l]);
+        acc[l] += v * v;
+      }
     }
     float total = 0.0f;
     for (int64_t l = 0; l < kLanes; ++l) {
       total += acc[l];
     }
     for (; i < n; ++i) {
-      total += xr[i] * xr[i];
+      total += widen(xr[i]) * widen(xr[i]);
     }
     const float ms = total / static_cast<float>(n);
-    if (eps_outside) {
-      const float d = std::sqrt(ms) + eps;
-      for (int64_t j = 0; j < n; ++j) {
-        yr[j] = w != nullptr ? xr[j] / d * (w[j] + offset) : xr[j] / d;
-      }
-    } else {
-      const float inv = 1.0f / std::sqrt(ms + eps);
-      for (int64_t j = 0; j < n; ++j) {
-        yr[j] = w != nullptr ? xr[j] * inv * (w[j] + offset) : xr[j] * inv;
+    const float d = std::sqrt(ms) + eps;
+    const float inv = 1.0f / std::sqrt(ms + eps);
+    for (int64_t j = 0; j < n; ++j) {
+      const float t = rounded<T>(eps_outside ? widen(xr[j]) / d : widen(xr[j]) * inv);
+      if (w == nullptr) {
+        yr[j] = narrow<T>(t);
+      } else {
+        const float wj = offset != 0.0f ? rounded<T>(widen(w[j]) + offset) : widen(w[j]);
+        yr[j] = narrow<T>(t * wj);
       }
     }
   }
 }
 
+// O3: the loops vectorized with their tails (-O2's cost model leaves loops of unknown length
+// scalar); no reassociation, so each element rounds as before.
+#define FXRT_RMS_NORM_ROWS(T)                                                             \
+  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void \
+  rms_norm_rows(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows,         \
+                int64_t n, float eps, float offset, bool eps_outside) {                    \
+    rms_norm_rows_body(x, res, sum, w, y, rows, n, eps, offset, eps_outside);             \
+  }
+FXRT_RMS_NORM_ROWS(float)
+FXRT_RMS_NORM_ROWS(c10::BFloat16)
+#undef FXRT_RMS_NORM_ROWS
+
 inline bool fast_rms_norm(const at::Tensor& x, const at::Tensor& w) {
-  return plain_rows(x) && x.is_contiguous() && x.size(-1) > 0 &&
+  return plain_rows(x) && x.is_contiguous() && x.size(-1) > 0 && same_dtype(x, w) &&
       (!w.defined() ||
        (plain_rows(w) && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous()));
 }
 
-// eager's chain: input * rsqrt(input.pow(2).mean(-1, keepdim) + eps) * (weight + offset)
+// eager's chain: input * rsqrt(input.pow(2).mean(-1, keepdim) + eps) * (weight + offset); for a
+// bfloat16 input as models write it: the norm of input.float(), rounded to bfloat16, then the
+// weight's product in bfloat16.
 inline at::Tensor rms_norm_reference(
     const at::Tensor& x,
     const at::Tensor& w,
     double eps,
     double offset,
     bool eps_outside) {
-  at::Tensor ms = at::mean(at::pow(x, 2), {-1}, true);
-  at::Tensor y = eps_outside ? at::div(x, at::add(at::sqrt(ms), eps)) : at::mul(x, at::rsqrt(at::add(ms, eps)));
+  const bool widened = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = widened ? x.to(at::kFloat) : x;
+  at::Tensor ms = at::mean(at::pow(xf, 2), {-1}, true);
+  at::Tensor y = eps_outside ? at::div(xf, at::add(at::sqrt(ms), eps)) : at::mul(xf, at::rsqrt(at::add(ms, eps)));
+  if (widened) {
+    y = y.to(x.scalar_type());
+  }
   if (!w.defined()) {
     return y;
   }
@@ -145,59 +169,95 @@ inline void run_rms_norm(
     bool eps_outside,
     at::Tensor& y) {
   const int64_t n = x.size(-1);
-  rms_norm_rows(
-      x.const_data_ptr<float>(), res ? res->const_data_ptr<float>() : nullptr,
-      sum ? sum->mutable_data_ptr<float>() : nullptr, w.defined() ? w.const_data_ptr<float>() : nullptr,
-      y.mutable_data_ptr<float>(), x.numel() / n, n, static_cast<float>(eps),
-      static_cast<float>(offset), eps_outside);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows(
+        x.const_data_ptr<T>(), res ? res->const_data_ptr<T>() : nullptr,
+        sum ? sum->mutable_data_ptr<T>() : nullptr, w.defined() ? w.const_data_ptr<T>() : nullptr,
+        y.mutable_data_ptr<T>(), x.numel() / n, n, static_cast<float>(eps),
+        static_cast<float>(offset), eps_outside);
+  };
+  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
 }
 
 // --- gated --------------------------------------------------------------------------------------
 
 enum class Act { kSilu, kGeluTanh };
 
-// act(gate) * up over rows of n features; each operand's rows `*_row` apart.
-[[gnu::target_clones("avx512f", "avx2", "default")]] static void gated_rows(
-    const float* g,
-    int64_t g_row,
-    const float* u,
-    int64_t u_row,
-    float* o,
-    int64_t o_row,
-    int64_t rows,
-    int64_t n,
-    Act act) {
-  const Lanes zero = {};
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gr = g + r * g_row;
-    const float* ur = u + r * u_row;
-    float* orow = o + r * o_row;
-    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-      const int64_t m = std::min(kLanes, n - i0);
-      Lanes x = {}, up = {};
-      std::memcpy(&x, gr + i0, sizeof(float) * m);
-      std::memcpy(&up, ur + i0, sizeof(float) * m);
-      Lanes a;
-      if (act == Act::kSilu) {
-        // x / (1 + e^-x), with e^-|x| (never overflows) and x e^x / (1 + e^x) below zero
-        const Lanes neg = x < zero ? x : -x;
-        const Lanes e = exp_nonpositive(neg);
-        a = x < zero ? x * e / (1.0f + e) : x / (1.0f + e);
-      } else {
-        // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(|t|) = (1 - e) / (1 + e)
-        const Lanes t = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-        const Lanes abs = t < zero ? -t : t;
-        const Lanes e = exp_nonpositive(-2.0f * abs);
-        Lanes th = (1.0f - e) / (1.0f + e);
-        th = t < zero ? -th : th;
-        th = t != t ? t : th;  // NaN stays NaN
-        a = 0.5f * x * (1.0f + th);
-      }
-      const Lanes y = a * up;
-      std::memcpy(orow + i0, &y, sizeof(float) * m);
+// A lane block of `m` elements of `p`, widened to float32 (zeros past `m`), and back.
+template <class T>
+[[gnu::always_inline]] inline Lanes load_block(const T* p, int64_t m) {
+  Lanes v = {};
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(float) * m);
+  } else {
+    for (int64_t l = 0; l < m; ++l) {
+      v[l] = widen(p[l]);
+    }
+  }
+  return v;
+}
+template <class T>
+[[gnu::always_inline]] inline void store_block(T* p, const Lanes& v, int64_t m) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof(float) * m);
+  } else {
+    for (int64_t l = 0; l < m; ++l) {
+      p[l] = narrow<T>(v[l]);
     }
   }
 }
+
+[[gnu::always_inline]] inline Lanes activate(const Lanes& x, Act act) {
+  const Lanes zero = {};
+  if (act == Act::kSilu) {
+    // x / (1 + e^-x), with e^-|x| (never overflows) and x e^x / (1 + e^x) below zero
+    const Lanes neg = x < zero ? x : -x;
+    const Lanes e = exp_nonpositive(neg);
+    return x < zero ? x * e / (1.0f + e) : x / (1.0f + e);
+  }
+  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(|t|) = (1 - e) / (1 + e)
+  const Lanes t = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const Lanes abs = t < zero ? -t : t;
+  const Lanes e = exp_nonpositive(-2.0f * abs);
+  Lanes th = (1.0f - e) / (1.0f + e);
+  th = t < zero ? -th : th;
+  th = t != t ? t : th;  // NaN stays NaN
+  return 0.5f * x * (1.0f + th);
+}
+
+// act(gate) * up over rows of n features; each operand's rows `*_row` apart. bfloat16: the
+// activation rounded to bfloat16, then the product (eager's two bfloat16 ops).
+template <class T>
+[[gnu::always_inline]] inline void gated_rows_body(
+    const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row, int64_t rows,
+    int64_t n, Act act) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gr = g + r * g_row;
+    const T* ur = u + r * u_row;
+    T* orow = o + r * o_row;
+    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+      const int64_t m = std::min(kLanes, n - i0);
+      Lanes a = activate(load_block(gr + i0, m), act);
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          a[l] = rounded<T>(a[l]);
+        }
+      }
+      store_block(orow + i0, a * load_block(ur + i0, m), m);
+    }
+  }
+}
+
+#define FXRT_GATED_ROWS(T)                                                                  \
+  [[gnu::target_clones("avx512f", "avx2", "default")]] static void gated_rows(              \
+      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,            \
+      int64_t rows, int64_t n, Act act) {                                                   \
+    gated_rows_body(g, g_row, u, u_row, o, o_row, rows, n, act);                            \
+  }
+FXRT_GATED_ROWS(float)
+FXRT_GATED_ROWS(c10::BFloat16)
+#undef FXRT_GATED_ROWS
 
 inline std::optional<Act> activation(std::string_view name) {
   if (name == "silu") {
@@ -210,7 +270,8 @@ inline std::optional<Act> activation(std::string_view name) {
 }
 
 inline bool fast_gated(const at::Tensor& gate, const at::Tensor& up) {
-  return plain_rows(gate) && plain_rows(up) && gate.sizes().equals(up.sizes()) &&
+  return plain_rows(gate) && plain_rows(up) && same_dtype(gate, up) &&
+      gate.sizes().equals(up.sizes()) &&
       gate.numel() > 0 && row_stride(gate) >= 0 && row_stride(up) >= 0;
 }
 
@@ -220,9 +281,13 @@ inline at::Tensor gated_reference(const at::Tensor& gate, const at::Tensor& up, 
 
 inline void run_gated(const at::Tensor& gate, const at::Tensor& up, Act act, at::Tensor& out) {
   const int64_t n = gate.size(-1);
-  gated_rows(
-      gate.const_data_ptr<float>(), row_stride(gate), up.const_data_ptr<float>(), row_stride(up),
-      out.mutable_data_ptr<float>(), n, gate.numel() / n, n, act);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    gated_rows(
+        gate.const_data_ptr<T>(), row_stride(gate), up.const_data_ptr<T>(), row_stride(up),
+        out.mutable_data_ptr<T>(), n, gate.numel() / n, n, act);
+  };
+  gate.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
 }
 
 inline Act checked_activation(c10::string_view name) {
@@ -268,7 +333,7 @@ inline at::Tensor& rms_norm_out(
     at::Tensor& out) {
   using namespace decoder_detail;
   const at::Tensor& w = or_undefined(weight);
-  if (fast_rms_norm(input, w) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+  if (fast_rms_norm(input, w) && same_dtype(input, out) && out.is_contiguous() &&
       out.sizes().equals(input.sizes())) {
     run_rms_norm(input, nullptr, nullptr, w, eps, weight_offset, eps_outside, out);
   } else {
@@ -286,8 +351,8 @@ inline std::tuple<at::Tensor, at::Tensor> add_rms_norm(
     bool eps_outside) {
   using namespace decoder_detail;
   const at::Tensor& w = or_undefined(weight);
-  if (fast_rms_norm(input, w) && plain_rows(residual) && residual.is_contiguous() &&
-      residual.sizes().equals(input.sizes())) {
+  if (fast_rms_norm(input, w) && plain_rows(residual) && same_dtype(input, residual) &&
+      residual.is_contiguous() && residual.sizes().equals(input.sizes())) {
     at::Tensor sum = contiguous_like(input);
     at::Tensor out = contiguous_like(input);
     run_rms_norm(input, &residual, &sum, w, eps, weight_offset, eps_outside, out);
@@ -312,7 +377,7 @@ inline at::Tensor& gated_out(
     const at::Tensor& gate, const at::Tensor& up, c10::string_view activation, at::Tensor& out) {
   using namespace decoder_detail;
   const Act act = checked_activation(activation);
-  if (fast_gated(gate, up) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+  if (fast_gated(gate, up) && same_dtype(gate, out) && out.is_contiguous() &&
       out.sizes().equals(gate.sizes())) {
     run_gated(gate, up, act, out);
   } else {

@@ -19,45 +19,49 @@ namespace decoder_detail {
 
 // --- rotary -------------------------------------------------------------------------------------
 
+template <class T>
 struct RopeRows {
-  const float* x;
-  const float* cos;
-  const float* sin;
-  float* out;
+  const T* x;
+  const T* cos;
+  const T* sin;
+  T* out;
   int64_t sizes[3];  // the leading dimensions (x padded to 4-D on the left)
   int64_t xs[3], cs[3], ss[3], os[3];  // their strides (0 where cos/sin broadcast)
   int64_t d, rot;  // features, rotated features
   bool interleaved;
 };
 
-// No fused multiply-adds: each product is rounded before the sum, as eager's mul and add. O3 as
-// for rms_norm_rows.
-[[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]]
-static void rope_rows(const RopeRows& p) {
+// No fused multiply-adds: each product is rounded before the sum, as eager's mul and add (to
+// float32, or to bfloat16 for bfloat16 tensors: every product and the sum, as eager's bfloat16
+// ops round them; the negation is exact).
+template <class T>
+[[gnu::always_inline]] inline void rope_rows_body(const RopeRows<T>& p) {
   const int64_t half = p.rot / 2;
+  auto mul = [](T a, T b) { return rounded<T>(widen(a) * widen(b)); };
+  auto neg_mul = [](T a, T b) { return rounded<T>(-widen(a) * widen(b)); };
   for (int64_t a = 0; a < p.sizes[0]; ++a) {
     for (int64_t b = 0; b < p.sizes[1]; ++b) {
       for (int64_t c = 0; c < p.sizes[2]; ++c) {
-        const float* x = p.x + a * p.xs[0] + b * p.xs[1] + c * p.xs[2];
-        const float* cs = p.cos + a * p.cs[0] + b * p.cs[1] + c * p.cs[2];
-        const float* sn = p.sin + a * p.ss[0] + b * p.ss[1] + c * p.ss[2];
-        float* o = p.out + a * p.os[0] + b * p.os[1] + c * p.os[2];
+        const T* x = p.x + a * p.xs[0] + b * p.xs[1] + c * p.xs[2];
+        const T* cs = p.cos + a * p.cs[0] + b * p.cs[1] + c * p.cs[2];
+        const T* sn = p.sin + a * p.ss[0] + b * p.ss[1] + c * p.ss[2];
+        T* o = p.out + a * p.os[0] + b * p.os[1] + c * p.os[2];
         if (p.interleaved) {
           for (int64_t i = 0; i < half; ++i) {
-            const float x0 = x[2 * i], x1 = x[2 * i + 1];
-            const float a0 = x0 * cs[2 * i], b0 = -x1 * sn[2 * i];
-            const float a1 = x1 * cs[2 * i + 1], b1 = x0 * sn[2 * i + 1];
-            o[2 * i] = a0 + b0;
-            o[2 * i + 1] = a1 + b1;
+            const T x0 = x[2 * i], x1 = x[2 * i + 1];
+            const float a0 = mul(x0, cs[2 * i]), b0 = neg_mul(x1, sn[2 * i]);
+            const float a1 = mul(x1, cs[2 * i + 1]), b1 = mul(x0, sn[2 * i + 1]);
+            o[2 * i] = narrow<T>(a0 + b0);
+            o[2 * i + 1] = narrow<T>(a1 + b1);
           }
         } else {
           for (int64_t i = 0; i < half; ++i) {
-            const float a0 = x[i] * cs[i], b0 = -x[i + half] * sn[i];
-            o[i] = a0 + b0;
+            const float a0 = mul(x[i], cs[i]), b0 = neg_mul(x[i + half], sn[i]);
+            o[i] = narrow<T>(a0 + b0);
           }
           for (int64_t i = half; i < p.rot; ++i) {
-            const float a1 = x[i] * cs[i], b1 = x[i - half] * sn[i];
-            o[i] = a1 + b1;
+            const float a1 = mul(x[i], cs[i]), b1 = mul(x[i - half], sn[i]);
+            o[i] = narrow<T>(a1 + b1);
           }
         }
         for (int64_t i = p.rot; i < p.d; ++i) {
@@ -67,6 +71,16 @@ static void rope_rows(const RopeRows& p) {
     }
   }
 }
+
+// O3 as for rms_norm_rows.
+#define FXRT_ROPE_ROWS(T)                                                                   \
+  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
+  static void rope_rows(const RopeRows<T>& p) {                                             \
+    rope_rows_body(p);                                                                      \
+  }
+FXRT_ROPE_ROWS(float)
+FXRT_ROPE_ROWS(c10::BFloat16)
+#undef FXRT_ROPE_ROWS
 
 // The stride of dimension d of `t` read as broadcast to x's 4-D shape (right-aligned).
 inline int64_t broadcast_stride(const at::Tensor& t, int64_t d, int64_t x_dim) {
@@ -89,7 +103,8 @@ inline bool broadcasts_to(const at::Tensor& t, const at::Tensor& x, int64_t rot)
 
 inline bool fast_rotary(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rot) {
-  if (!plain_rows(x) || !plain_rows(cos) || !plain_rows(sin) || x.dim() < 1 || x.dim() > 4) {
+  if (!plain_rows(x) || !plain_rows(cos) || !plain_rows(sin) || x.dim() < 1 || x.dim() > 4 ||
+      !same_dtype(x, cos) || !same_dtype(x, sin)) {
     return false;
   }
   const int64_t d = x.size(-1);
@@ -111,22 +126,26 @@ inline at::Tensor run_rotary(
     bool inter,
     bool cat_layout) {
   at::Tensor out = rope_out(x, cat_layout);
-  RopeRows p{
-      x.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-      out.mutable_data_ptr<float>(), {1, 1, 1}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0},
-      x.size(-1), rot, inter};
-  const int64_t lead = x.dim() - 1;
-  for (int64_t i = 0; i < lead; ++i) {
-    const int64_t slot = 3 - lead + i;
-    p.sizes[slot] = x.size(i);
-    p.xs[slot] = x.stride(i);
-    p.os[slot] = out.stride(i);
-    p.cs[slot] = broadcast_stride(cos, i, x.dim());
-    p.ss[slot] = broadcast_stride(sin, i, x.dim());
-  }
-  if (out.numel() > 0) {
-    rope_rows(p);
-  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    RopeRows<T> p{
+        x.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(),
+        out.mutable_data_ptr<T>(), {1, 1, 1}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0},
+        x.size(-1), rot, inter};
+    const int64_t lead = x.dim() - 1;
+    for (int64_t i = 0; i < lead; ++i) {
+      const int64_t slot = 3 - lead + i;
+      p.sizes[slot] = x.size(i);
+      p.xs[slot] = x.stride(i);
+      p.os[slot] = out.stride(i);
+      p.cs[slot] = broadcast_stride(cos, i, x.dim());
+      p.ss[slot] = broadcast_stride(sin, i, x.dim());
+    }
+    if (out.numel() > 0) {
+      rope_rows(p);
+    }
+  };
+  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
   return out;
 }
 

@@ -8,6 +8,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/BFloat16.h>
 
 namespace fxrt {
 namespace decoder_detail {
@@ -18,10 +19,36 @@ using attention_detail::kLanes;
 using attention_detail::Lanes;
 using attention_detail::load_lanes;
 
-// A float32 CPU tensor autograd will not record, whose last dimension is dense.
+// A float32 or bfloat16 CPU tensor autograd will not record, whose last dimension is dense. (The
+// fast paths also need every operand of one dtype: same_dtype.)
 inline bool plain_rows(const at::Tensor& t) {
-  return plain_tensor(t) && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() >= 1 &&
-      (t.size(-1) <= 1 || t.stride(-1) == 1) && !(c10::GradMode::is_enabled() && t.requires_grad());
+  const at::ScalarType s = t.scalar_type();
+  return plain_tensor(t) && t.device().is_cpu() && (s == at::kFloat || s == at::kBFloat16) &&
+      t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1) &&
+      !(c10::GradMode::is_enabled() && t.requires_grad());
+}
+
+inline bool same_dtype(const at::Tensor& a, const at::Tensor& b) {
+  return !b.defined() || a.scalar_type() == b.scalar_type();
+}
+
+// Element types the row kernels read and write: float32 as it is; bfloat16 widened to float32
+// for the arithmetic and each result rounded back (to nearest, ties to even, as ATen's own
+// bfloat16 ops round theirs).
+inline float widen(float x) {
+  return x;
+}
+inline float widen(c10::BFloat16 x) {
+  return static_cast<float>(x);
+}
+template <class T>
+inline T narrow(float x) {
+  return static_cast<T>(x);
+}
+// A bfloat16 op's result as eager rounds it, read back as float32 (float32: the value itself).
+template <class T>
+inline float rounded(float x) {
+  return widen(narrow<T>(x));
 }
 
 // The distance between consecutive rows when every dimension but the last collapses into one
@@ -42,7 +69,7 @@ inline int64_t row_stride(const at::Tensor& t) {
 }
 
 inline at::Tensor contiguous_like(const at::Tensor& x) {
-  return at::detail::empty_cpu(x.sizes(), at::kFloat, false, c10::MemoryFormat::Contiguous);
+  return at::detail::empty_cpu(x.sizes(), x.scalar_type(), false, c10::MemoryFormat::Contiguous);
 }
 
 }  // namespace decoder_detail

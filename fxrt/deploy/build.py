@@ -40,8 +40,8 @@ from ..compiler import CompiledGraph, compile_graph
 from ..config import CompilerConfig
 from ..exec.program import OutCall
 from ..ir.graph import Op, Ref, ValueKind
-from ..stage import lower_program
 from ..serialize import SerializationError, encode_graph, versions
+from ..stage import lower_program
 from . import package
 from .program_data import cpp_runnable, encode_program
 from .signature import SYMBOL, InputSig, OutputSig, Signature, leaf_paths, spec_to_json

@@ -68,9 +68,9 @@ from ..exec.inputs import InputError
 from ..exec.native import NativeLoop, NativePackageEntry
 from ..ir.graph import OpKind
 from ..modes import gc_paused
-from ..stage import lower_program
 from ..serialize import FORMAT as GRAPH_FORMAT
 from ..serialize import SerializationError, decode_graph, resolve_op
+from ..stage import lower_program
 from . import package
 from .binder import Binder
 from .package import PackageError

@@ -151,7 +151,8 @@ class ArenaPlan:
         lines = [f"arena: {self.nbytes} bytes, {len(self.slots)} slots"]
         for i, s in enumerate(self.slots):
             name = names[s.value] if names else str(s.value)
-            line = f"  slot {i}: %{name} [{s.offset}, {s.offset + s.nbytes}) nodes {s.first}..{s.last}"
+            span = f"[{s.offset}, {s.offset + s.nbytes}) nodes {s.first}..{s.last}"
+            line = f"  slot {i}: %{name} {span}"
             if s.takes_over >= 0:
                 line += f" (in place of %{names[s.takes_over] if names else s.takes_over})"
             lines.append(line)
@@ -301,7 +302,8 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
         nbytes = chain[0][1]
         since, until = whole if chain[0][0] in shared else (chain[0][2], chain[-1][3])
         offset = 0
-        for lo, hi in sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(since, until)):
+        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed.overlapping(since, until))
+        for lo, hi in busy:
             if offset + nbytes <= lo:
                 break
             offset = max(offset, _align(hi))
@@ -391,7 +393,9 @@ def verify_arena(graph: Graph, plan: Plan, arena: ArenaPlan) -> None:
                 "does not read element for element with the same geometry"
             )
         if t is None or (t.offset, t.nbytes, t.last) != (s.offset, s.nbytes, s.first):
-            raise ArenaError(f"%{name[s.value]} takes over a slot that does not end where it starts")
+            raise ArenaError(
+                f"%{name[s.value]} takes over a slot that does not end where it starts"
+            )
     clash = _live_overlap(arena.slots)
     if clash is not None:
         a, b = (arena.slots[i] for i in sorted(clash))

@@ -1,4 +1,5 @@
-"""The arena planner's index of placed slots by node interval (:func:`fxrt.exec.arena.plan_arena`)."""
+"""The arena planner's index of placed slots by node interval
+(:func:`fxrt.exec.arena.plan_arena`)."""
 
 from __future__ import annotations
 

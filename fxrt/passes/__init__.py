@@ -2,13 +2,13 @@
 
 A pass is a function ``Graph -> Graph`` named with a verb, one file each (the one exception:
 :mod:`~fxrt.passes.host_graph`, FX rewrites of Inductor's host graph, run before the conversion).
-:data:`PASSES` names the built-in ones and :data:`LEVELS` (from :mod:`fxrt.config`) the lists ``opt_level`` selects
-(``CompilerConfig.pass_names()`` says which run). Running them is the compile pipeline's job
-(:mod:`fxrt.pipeline`): it runs each configured pass as a stage of its own, with the other rewrites
-of the pipeline, verifies the graph after it if it changed, and records a :class:`PassRecord` (name,
-wall time with verification, whether the graph's text changed); a pass that raises fails the compile
-with a :class:`PassError` naming it. User passes (TorchAir's interface, on FX) are
-:mod:`fxrt.passes.user`.
+:data:`PASSES` names the built-in ones and :data:`LEVELS` (from :mod:`fxrt.config`) the lists
+``opt_level`` selects (``CompilerConfig.pass_names()`` says which run). Running them is the
+compile pipeline's job (:mod:`fxrt.pipeline`): it runs each configured pass as a stage of its
+own, with the other rewrites of the pipeline, verifies the graph after it if it changed, and
+records a :class:`PassRecord` (name, wall time with verification, whether the graph's text
+changed); a pass that raises fails the compile with a :class:`PassError` naming it. User passes
+(TorchAir's interface, on FX) are :mod:`fxrt.passes.user`.
 
 The analyses passes share (alias sets, purity, writes) are :mod:`fxrt.analysis.values`, on top of
 :mod:`fxrt.ops.aliasing`: passes are functions of the IR; nothing here imports the planner,
@@ -40,7 +40,6 @@ PASSES: dict[str, Callable[..., Graph]] = {
 }
 # fxrt.config validates options against PASS_NAMES, without importing a pass: the same names, in
 # the same order (tests/test_passes.py checks it).
-
 
 
 __all__ = [

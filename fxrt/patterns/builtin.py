@@ -157,6 +157,40 @@ def _weighted(index: GraphIndex, anchor: Node) -> tuple[Any, Any, float, list[No
     return None
 
 
+_LOW = (torch.bfloat16,)  # dtypes models widen to float32 for the norm (the norm's casts)
+_CAST = "aten::_to_copy"
+
+
+def _cast(index: GraphIndex, x: Any, to: Any, only: bool = True) -> Node | None:
+    """The node that makes ``x`` as a plain dtype cast to ``to`` (one of a tuple), read only by
+    the chain when ``only``."""
+    node = (index.only_for if only else index.made_by)(x, _CAST)
+    if node is None or set(node.kwargs) - {"dtype", "device", "layout"} or len(node.args) != 1:
+        return None
+    meta, src = index.meta(x), index.meta(node.args[0])
+    if meta is None or src is None or meta.device != src.device or meta.dtype not in to:
+        return None
+    return node
+
+
+def _widened_core(index: GraphIndex, y: Any) -> tuple[Any, float, bool, list[Node]] | None:
+    """``y`` = the norm of ``x.float()`` cast back to ``x``'s dtype (bfloat16), as Llama-family
+    models write it: the core, on the low-precision ``x``, with the two casts."""
+    back = _cast(index, y, _LOW)
+    if back is None:
+        return None
+    core = _rms_core(index, back.args[0])
+    if core is None:
+        return None
+    x32, eps, outside, nodes = core
+    up = _cast(index, x32, (torch.float32,), only=False)
+    if up is None or index.meta(up.args[0]).dtype != index.meta(y).dtype:
+        return None
+    if index.uses[x32.id] != 2 or x32.id in index.returned:  # the square and the product
+        return None
+    return up.args[0], eps, outside, [back, *nodes, up]
+
+
 def match_rms_norm(node: Node, index: GraphIndex) -> Match | None:
     weight, offset, extra = None, 0.0, []
     y = Ref(node.outputs[0])
@@ -169,33 +203,45 @@ def match_rms_norm(node: Node, index: GraphIndex) -> Match | None:
         if index.uses[y.id] != 1 or y.id in index.returned:
             return None
         core = _rms_core(index, y)
+        widened = core is None
+        core = core or _widened_core(index, y)
         if core is None:
             return None
     elif _weight_follows(index, node):
         return None  # the weighted product after it is the anchor
+    else:
+        widened = False
     x, eps, outside, nodes = core
+    # widened: the norm of a bfloat16 x computed in float32 (what fxrt::rms_norm computes for a
+    # bfloat16 input); the guards fuse a bfloat16 norm only then, never a chain that rounds each
+    # step to bfloat16.
     return Match(
         (x, weight, eps, offset, outside), {}, [node.outputs[0]], [*extra, *nodes],
-        info={"x": x},
+        info={"x": x, "widened": widened},
     )  # fmt: skip
 
 
 def _weight_follows(index: GraphIndex, node: Node) -> bool:
-    readers = index.readers.get(node.outputs[0], [])
-    return (
-        index.uses[node.outputs[0]] == 1
-        and node.outputs[0] not in index.returned
-        and readers[0].op.name == _MUL
-        and _weighted(index, readers[0]) is not None
-    )
+    """A weighted product reads the norm's result (through the cast back to bfloat16, as
+    Llama-family models write it): that product is the anchor."""
+    v = node.outputs[0]
+    readers = index.readers.get(v, [])
+    if index.uses[v] != 1 or v in index.returned:
+        return False
+    if readers[0].op.name == _CAST and _cast(index, Ref(readers[0].outputs[0]), _LOW, False):
+        v = readers[0].outputs[0]
+        readers = index.readers.get(v, [])
+        if index.uses[v] != 1 or v in index.returned:
+            return False
+    return readers[0].op.name == _MUL and _weighted(index, readers[0]) is not None
 
 
 def _rms_guard(match: Match, index: GraphIndex) -> bool:
-    x, weight = match.args[0], match.args[1]
+    x, weight, _, offset = match.args[:4]
     meta = index.meta(x)
     return (
-        index.is_float32_cpu(x, Ref(match.results[0]))
-        and (weight is None or index.is_float32_cpu(weight))
+        index.is_float_cpu(x, Ref(match.results[0]), *([] if weight is None else [weight]))
+        and (meta.dtype is torch.float32 or (match.info["widened"] and offset == 0.0))
         and meta is not None
         and is_contiguous(meta)
         and is_contiguous(index.graph.values[match.results[0]].meta)
@@ -214,14 +260,14 @@ def match_add_rms_norm(node: Node, index: GraphIndex) -> Match | None:
     am, bm, xm = index.meta(a), index.meta(b), index.meta(x)
     if am is None or bm is None or am.shape != xm.shape or bm.shape != xm.shape:
         return None
-    return Match((a, b, *m.args[1:]), {}, [m.results[0], x.id], [add, *m.nodes])
+    return Match((a, b, *m.args[1:]), {}, [m.results[0], x.id], [add, *m.nodes], info=m.info)
 
 
 def _add_rms_guard(match: Match, index: GraphIndex) -> bool:
-    a, b, weight = match.args[:3]
+    a, b, weight, _, offset = match.args[:5]
     return (
-        index.is_float32_cpu(a, b, Ref(match.results[1]))
-        and (weight is None or index.is_float32_cpu(weight))
+        index.is_float_cpu(a, b, Ref(match.results[1]), *([] if weight is None else [weight]))
+        and (index.meta(a).dtype is torch.float32 or (match.info["widened"] and offset == 0.0))
         and all(is_contiguous(index.meta(t)) for t in (a, b))
         and all(is_contiguous(index.graph.values[r].meta) for r in match.results)
     )
@@ -275,7 +321,7 @@ def _gated_match(
 
 def _gated_guard(match: Match, index: GraphIndex) -> bool:
     gate, up, _ = match.args
-    return index.is_float32_cpu(gate, up) and is_contiguous(
+    return index.is_float_cpu(gate, up, Ref(match.results[0])) and is_contiguous(
         index.graph.values[match.results[0]].meta
     )
 

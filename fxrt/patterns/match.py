@@ -86,6 +86,17 @@ class GraphIndex:
                 return False
         return True
 
+    def is_float_cpu(self, *xs: Any) -> bool:
+        """Every one of ``xs`` is a CPU tensor value of one dtype, float32 or bfloat16 (what
+        fxrt's own decoder ops compute fast)."""
+        dtypes = set()
+        for x in xs:
+            m = self.meta(x)
+            if m is None or m.device != "cpu":
+                return False
+            dtypes.add(m.dtype)
+        return len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
+
     def before(self, a: Node, b: Node) -> bool:
         return self.position[id(a)] < self.position[id(b)]
 

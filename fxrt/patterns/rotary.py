@@ -158,7 +158,7 @@ def match_rotary(node: Node, index: GraphIndex) -> Match | None:
 
 def rotary_guard(match: Match, index: GraphIndex) -> bool:
     q, k, cos, sin, features, _ = match.args
-    if not index.is_float32_cpu(q, k, cos, sin):
+    if not index.is_float_cpu(q, k, cos, sin):
         return False
     for x, r in zip((q, k), match.results):
         if r is None:
