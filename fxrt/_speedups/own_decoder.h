@@ -105,16 +105,29 @@ template <class T>
       total += widen(xr[i]) * widen(xr[i]);
     }
     const float ms = total / static_cast<float>(n);
-    const float d = std::sqrt(ms) + eps;
-    const float inv = 1.0f / std::sqrt(ms + eps);
-    for (int64_t j = 0; j < n; ++j) {
-      const float t = rounded<T>(eps_outside ? widen(xr[j]) / d : widen(xr[j]) * inv);
+    // One loop per case, each branch-free (so that it vectorizes).
+    auto finish = [&](auto norm) {
       if (w == nullptr) {
-        yr[j] = narrow<T>(t);
+        for (int64_t j = 0; j < n; ++j) {
+          yr[j] = narrow<T>(norm(widen(xr[j])));
+        }
+      } else if (offset == 0.0f) {
+        for (int64_t j = 0; j < n; ++j) {
+          yr[j] = narrow<T>(rounded<T>(norm(widen(xr[j]))) * widen(w[j]));
+        }
       } else {
-        const float wj = offset != 0.0f ? rounded<T>(widen(w[j]) + offset) : widen(w[j]);
-        yr[j] = narrow<T>(t * wj);
+        for (int64_t j = 0; j < n; ++j) {
+          const float wj = rounded<T>(widen(w[j]) + offset);
+          yr[j] = narrow<T>(rounded<T>(norm(widen(xr[j]))) * wj);
+        }
       }
+    };
+    if (eps_outside) {
+      const float d = std::sqrt(ms) + eps;
+      finish([d](float v) { return v / d; });
+    } else {
+      const float inv = 1.0f / std::sqrt(ms + eps);
+      finish([inv](float v) { return v * inv; });
     }
   }
 }
@@ -184,28 +197,14 @@ inline void run_rms_norm(
 
 enum class Act { kSilu, kGeluTanh };
 
-// A lane block of `m` elements of `p`, widened to float32 (zeros past `m`), and back.
-template <class T>
-[[gnu::always_inline]] inline Lanes load_block(const T* p, int64_t m) {
+// A lane block of `m` floats of `p` (zeros past `m`), and back.
+[[gnu::always_inline]] inline Lanes load_block(const float* p, int64_t m) {
   Lanes v = {};
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(float) * m);
-  } else {
-    for (int64_t l = 0; l < m; ++l) {
-      v[l] = widen(p[l]);
-    }
-  }
+  std::memcpy(&v, p, sizeof(float) * m);
   return v;
 }
-template <class T>
-[[gnu::always_inline]] inline void store_block(T* p, const Lanes& v, int64_t m) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(p, &v, sizeof(float) * m);
-  } else {
-    for (int64_t l = 0; l < m; ++l) {
-      p[l] = narrow<T>(v[l]);
-    }
-  }
+[[gnu::always_inline]] inline void store_block(float* p, const Lanes& v, int64_t m) {
+  std::memcpy(p, &v, sizeof(float) * m);
 }
 
 [[gnu::always_inline]] inline Lanes activate(const Lanes& x, Act act) {
@@ -232,25 +231,45 @@ template <class T>
 [[gnu::always_inline]] inline void gated_rows_body(
     const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row, int64_t rows,
     int64_t n, Act act) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gr = g + r * g_row;
-    const T* ur = u + r * u_row;
-    T* orow = o + r * o_row;
-    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-      const int64_t m = std::min(kLanes, n - i0);
-      Lanes a = activate(load_block(gr + i0, m), act);
-      if constexpr (!std::is_same_v<T, float>) {
-        for (int64_t l = 0; l < kLanes; ++l) {
-          a[l] = rounded<T>(a[l]);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gr = g + r * g_row;
+      const float* ur = u + r * u_row;
+      float* orow = o + r * o_row;
+      for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+        const int64_t m = std::min(kLanes, n - i0);
+        store_block(orow + i0, activate(load_block(gr + i0, m), act) * load_block(ur + i0, m), m);
+      }
+    }
+  } else {
+    // Chunks of a row widened to float32 first, by plain loops (which vectorize; lane by lane
+    // into the vector type they would not), then the float32 activation, rounded.
+    constexpr int64_t kChunk = 256;
+    alignas(64) float gf[kChunk], af[kChunk];
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* gr = g + r * g_row;
+      const T* ur = u + r * u_row;
+      T* orow = o + r * o_row;
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t len = std::min(kChunk, n - c0);
+        for (int64_t i = 0; i < len; ++i) {
+          gf[i] = widen(gr[c0 + i]);
+        }
+        for (int64_t i0 = 0; i0 < len; i0 += kLanes) {
+          const int64_t m = std::min(kLanes, len - i0);
+          store_block(af + i0, activate(load_block(gf + i0, m), act), m);
+        }
+        for (int64_t i = 0; i < len; ++i) {
+          orow[c0 + i] = narrow<T>(rounded<T>(af[i]) * widen(ur[c0 + i]));
         }
       }
-      store_block(orow + i0, a * load_block(ur + i0, m), m);
     }
   }
 }
 
 #define FXRT_GATED_ROWS(T)                                                                  \
-  [[gnu::target_clones("avx512f", "avx2", "default")]] static void gated_rows(              \
+  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void     \
+  gated_rows(                                                                               \
       const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,            \
       int64_t rows, int64_t n, Act act) {                                                   \
     gated_rows_body(g, g_row, u, u_row, o, o_row, rows, n, act);                            \

@@ -10,6 +10,9 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace fxrt {
 namespace decoder_detail {
 
@@ -35,15 +38,27 @@ inline bool same_dtype(const at::Tensor& a, const at::Tensor& b) {
 // Element types the row kernels read and write: float32 as it is; bfloat16 widened to float32
 // for the arithmetic and each result rounded back (to nearest, ties to even, as ATen's own
 // bfloat16 ops round theirs).
+// The conversions c10::BFloat16 makes, written on its bits so that the loops around them
+// vectorize: widening is exact; narrowing rounds to nearest, ties to even, NaN to 0x7FC0.
 inline float widen(float x) {
   return x;
 }
 inline float widen(c10::BFloat16 x) {
-  return static_cast<float>(x);
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 template <class T>
 inline T narrow(float x) {
-  return static_cast<T>(x);
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
 }
 // A bfloat16 op's result as eager rounds it, read back as float32 (float32: the value itself).
 template <class T>
