@@ -197,14 +197,23 @@ inline void run_rms_norm(
 
 enum class Act { kSilu, kGeluTanh };
 
-// A lane block of `m` floats of `p` (zeros past `m`), and back.
+// A lane block of `m` floats of `p` (zeros past `m`), and back. A whole block is one copy of a
+// constant size (a vector load or store); only the tail calls memcpy with its length.
 [[gnu::always_inline]] inline Lanes load_block(const float* p, int64_t m) {
   Lanes v = {};
-  std::memcpy(&v, p, sizeof(float) * m);
+  if (m == kLanes) {
+    std::memcpy(&v, p, sizeof(Lanes));
+  } else {
+    std::memcpy(&v, p, sizeof(float) * m);
+  }
   return v;
 }
 [[gnu::always_inline]] inline void store_block(float* p, const Lanes& v, int64_t m) {
-  std::memcpy(p, &v, sizeof(float) * m);
+  if (m == kLanes) {
+    std::memcpy(p, &v, sizeof(Lanes));
+  } else {
+    std::memcpy(p, &v, sizeof(float) * m);
+  }
 }
 
 [[gnu::always_inline]] inline Lanes activate(const Lanes& x, Act act) {
@@ -213,7 +222,8 @@ enum class Act { kSilu, kGeluTanh };
     // x / (1 + e^-x), with e^-|x| (never overflows) and x e^x / (1 + e^x) below zero
     const Lanes neg = x < zero ? x : -x;
     const Lanes e = exp_nonpositive(neg);
-    return x < zero ? x * e / (1.0f + e) : x / (1.0f + e);
+    const Lanes one = zero + 1.0f;
+    return x * (x < zero ? e : one) / (1.0f + e);  // one division (x * 1 is x exactly)
   }
   // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(|t|) = (1 - e) / (1 + e)
   const Lanes t = 0.7978845608028654f * (x + 0.044715f * x * x * x);
