@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import native_available, recording_compiles, skip_unless_executor
+from test_patterns import adversarial as float_cases
 from torch import nn
 
 import fxrt
@@ -34,16 +35,8 @@ def widened_rms(x, w=None, eps=1e-6, outside=False):
 
 
 def adversarial(shape: tuple[int, ...]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    base = torch.randn(shape, generator=g)
-    zero = base.clone()
-    zero[..., 0, :] = 0
-    special = base.clone()
-    special[..., 0, 0] = float("nan")
-    special[..., 1, 1] = float("inf")
-    special[..., 2, 2] = float("-inf")
-    cases = [base, base * 30, base * 1e18, base * 1e-39, zero, special]
-    return [c.to(BF16) for c in cases]
+    """test_patterns' random, large, denormal, zero-row and NaN/Inf cases, in bfloat16."""
+    return [c.to(BF16) for c in float_cases(shape)]
 
 
 def within_ulps(got, expected, ulps):
