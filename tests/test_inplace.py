@@ -5,10 +5,11 @@ rejects a forged one, and that both loops give eager's results with them, call a
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
-from conftest import native_available
+from conftest import native_available, run_child, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
@@ -35,6 +36,14 @@ def hand_overs(cg) -> dict[str, str]:
     names = cg.program.reg_names
     slots = cg.program.arena.slots
     return {names[s.value]: names[s.takes_over] for s in slots if s.takes_over >= 0}
+
+
+def planned(fn, make_inputs) -> dict[str, str]:
+    """``fn`` compiled on ``make_inputs()``, checked against eager on both loops: its
+    hand-overs."""
+    cg = compile_fn(fn, *make_inputs())
+    agree_with_eager(cg, fn, make_inputs)
+    return hand_overs(cg)
 
 
 def agree_with_eager(cg, fn, make_inputs):
@@ -80,9 +89,7 @@ def test_no_hand_over_where_the_elements_are_not_the_same():
         return soft.sum() + wide.sum()
 
     inputs = lambda: (torch.randn(8, 8), torch.randn(8, 8))  # noqa: E731
-    cg = compile_fn(f, *inputs())
-    assert hand_overs(cg) == {"exp": "mm", "mul": "sin"}
-    agree_with_eager(cg, f, inputs)
+    assert planned(f, inputs) == {"exp": "mm", "mul": "sin"}
 
 
 def test_a_transposed_operand_is_written_over_with_its_own_strides():
@@ -91,9 +98,7 @@ def test_a_transposed_operand_is_written_over_with_its_own_strides():
         return (t.sin() * 3).sum(0)
 
     inputs = lambda: (torch.randn(6, 4), torch.randn(4, 6))  # noqa: E731
-    cg = compile_fn(f, *inputs())
-    assert hand_overs(cg) == {"sin": "mm", "mul": "sin"}
-    agree_with_eager(cg, f, inputs)
+    assert planned(f, inputs) == {"sin": "mm", "mul": "sin"}
 
 
 def test_the_verifier_rejects_a_forged_hand_over():
@@ -127,3 +132,46 @@ def test_the_gated_product_takes_over_its_gate():
     taken = hand_overs(cg)
     assert [k for k in taken if k.startswith("fused_gated")], taken
     agree_with_eager(cg, f, inputs)
+
+
+WARM = """
+    import json, sys, torch, fxrt
+    import torch.nn.functional as F
+    from conftest import recording_compiles
+
+    dtype = getattr(torch, sys.argv[1])
+
+    def mlp(x, w1, w2, w3):  # a pointwise chain and a gated product: hand-overs in the arena
+        h = F.gelu(x @ w1) * 2.0
+        return (F.silu(h @ w2) * (h @ w3)).sum(-1)
+
+    f = torch.compile(mlp, backend="fxrt")
+    with recording_compiles() as built, torch.no_grad():
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            shapes = ((4, 16), (16, 32), (32, 32), (32, 32))
+            args = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+            tol = 1e-5 if dtype is torch.float32 else 2e-2
+            torch.testing.assert_close(f(*args), mlp(*args), rtol=tol, atol=tol)
+    arena = built[0].program.arena
+    names = built[0].program.reg_names
+    slots = [(names[s.value], s.offset, names[s.takes_over] if s.takes_over >= 0 else None)
+             for s in arena.slots]
+    print(json.dumps({"slots": slots, "counts": fxrt.pattern_counts(built[0]),
+                      "stats": dict(fxrt.cache.stats)}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_warm_second_process_gets_the_same_hand_overs(executor, dtype, tmp_path):
+    """A cold process, then a warm one on the same cache directory: the hit's arena has the
+    miss's slots and hand-overs, its fused ops the miss's counts, and both equal eager."""
+    skip_unless_executor(executor)
+    env = {"PYTHONPATH": os.path.dirname(__file__)}
+    cold = run_child(WARM, tmp_path, executor, dtype, env=env)
+    warm = run_child(WARM, tmp_path, executor, dtype, env=env)
+    assert cold["stats"].get("hit", 0) == 0 and warm["stats"].get("hit", 0) >= 1, (cold, warm)
+    assert warm["slots"] == cold["slots"] and any(s[2] for s in cold["slots"]), (cold, warm)
+    assert warm["counts"] == cold["counts"], (cold, warm)
+    if native_available():
+        assert cold["counts"] == {"gated_mlp": 1}, cold
