@@ -184,7 +184,7 @@ class CompiledGraph:
     def _rebuilt(
         cls, graph: Graph, plan: Plan, records: list[Any], config: CompilerConfig
     ) -> CompiledGraph:
-        cg = cls(graph, plan, _lower(graph, plan, config), config)
+        cg = cls(graph, plan, lower_program(graph, plan, config), config)
         cg.pass_records = records
         return cg
 
@@ -331,13 +331,6 @@ def _compile(
     if c.dump is not None:
         c.dump.final(cg.graph, cg.program)
     return cg
-
-
-def _lower(graph: Graph, plan: Plan, config: CompilerConfig) -> Program:
-    """The Program of a graph and plan rebuilt from an artifact or a cache entry: the
-    pipeline's stages after ``plan_lifetimes`` (the arena, when the config asks for one, and
-    ``lower``)."""
-    return lower_program(graph, plan, config)
 
 
 def get_compiler(

@@ -196,13 +196,12 @@ PIPELINE: tuple[Stage, ...] = (
 )
 
 
-def stages(config: CompilerConfig, after: str | None = None) -> list[Stage]:
+def stages(config: CompilerConfig) -> list[Stage]:
     """The stages a compile under ``config`` runs, in order: :data:`PIPELINE` with the built-in
-    passes in the place of ``passes`` and without the stages ``config`` leaves out; only those
-    after the stage named ``after``, if given."""
-    start = 0 if after is None else [s.name for s in PIPELINE].index(after) + 1
+    passes in the place of ``passes`` and without the stages ``config`` leaves out (a loaded
+    graph runs the planning ones only: :func:`fxrt.stage.lower_program`)."""
     out: list[Stage] = []
-    for s in PIPELINE[start:]:
+    for s in PIPELINE:
         if s.expand is not None:
             out.extend(s.expand(config))
         elif s.when(config):
@@ -210,12 +209,11 @@ def stages(config: CompilerConfig, after: str | None = None) -> list[Stage]:
     return out
 
 
-def run(c: Compilation, after: str | None = None) -> Compilation:
-    """Run the stages of ``c.config``'s pipeline on ``c`` (only those after the stage named
-    ``after``, if given); return ``c``."""
-    if after is None and c.dump is not None and c.gm is not None:
+def run(c: Compilation) -> Compilation:
+    """Run the stages of ``c.config``'s pipeline on ``c``; return ``c``."""
+    if c.dump is not None and c.gm is not None:
         c.dump.fx("input_fx.txt", c.gm)
-    for stage in stages(c.config, after):
+    for stage in stages(c.config):
         run_stage(c, stage)
     return c
 

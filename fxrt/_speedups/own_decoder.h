@@ -241,37 +241,32 @@ template <class T>
 [[gnu::always_inline]] inline void gated_rows_body(
     const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row, int64_t rows,
     int64_t n, Act act) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* gr = g + r * g_row;
-      const float* ur = u + r * u_row;
-      float* orow = o + r * o_row;
+  // bfloat16: chunks of a row widened to float32 first, by plain loops (which vectorize; lane by
+  // lane into the vector type they would not), then the float32 activation, rounded.
+  constexpr int64_t kChunk = 256;
+  alignas(64) float gf[kChunk], af[kChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gr = g + r * g_row;
+    const T* ur = u + r * u_row;
+    T* orow = o + r * o_row;
+    if constexpr (std::is_same_v<T, float>) {
       for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
         const int64_t m = std::min(kLanes, n - i0);
         store_block(orow + i0, activate(load_block(gr + i0, m), act) * load_block(ur + i0, m), m);
       }
+      continue;
     }
-  } else {
-    // Chunks of a row widened to float32 first, by plain loops (which vectorize; lane by lane
-    // into the vector type they would not), then the float32 activation, rounded.
-    constexpr int64_t kChunk = 256;
-    alignas(64) float gf[kChunk], af[kChunk];
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* gr = g + r * g_row;
-      const T* ur = u + r * u_row;
-      T* orow = o + r * o_row;
-      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-        const int64_t len = std::min(kChunk, n - c0);
-        for (int64_t i = 0; i < len; ++i) {
-          gf[i] = widen(gr[c0 + i]);
-        }
-        for (int64_t i0 = 0; i0 < len; i0 += kLanes) {
-          const int64_t m = std::min(kLanes, len - i0);
-          store_block(af + i0, activate(load_block(gf + i0, m), act), m);
-        }
-        for (int64_t i = 0; i < len; ++i) {
-          orow[c0 + i] = narrow<T>(rounded<T>(af[i]) * widen(ur[c0 + i]));
-        }
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, n - c0);
+      for (int64_t i = 0; i < len; ++i) {
+        gf[i] = widen(gr[c0 + i]);
+      }
+      for (int64_t i0 = 0; i0 < len; i0 += kLanes) {
+        const int64_t m = std::min(kLanes, len - i0);
+        store_block(af + i0, activate(load_block(gf + i0, m), act), m);
+      }
+      for (int64_t i = 0; i < len; ++i) {
+        orow[c0 + i] = narrow<T>(rounded<T>(af[i]) * widen(ur[c0 + i]));
       }
     }
   }
