@@ -753,6 +753,31 @@ def test_fused_decoder_package(runner: Any, store: Path, tmp_path: Path) -> None
             torch.testing.assert_close(out, eager)
 
 
+@pytest.mark.skipif(not native_available(), reason="the fused ops are fxrt's own (the extension)")
+def test_complex_rotary_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """Meta's reference Llama (complex rotary, a complex64 frequency table among the constants):
+    the package names fxrt::rotary_complex, and fxrt.load (both loops) and the C++ runtime run
+    it with eager's logits over a dynamic sequence length."""
+    from reference_llama import Llama, tokens
+
+    torch.manual_seed(0)
+    model = Llama().eval()
+    path = store / "reference_llama.fxrt"
+    seq = Dim("seq", min=2, max=64)
+    fxrt.export(model, (tokens(2, 8, 0),), dynamic_shapes={"tokens": {1: seq}}).save(path)
+    loaded = fxrt.load(path)
+    assert "fxrt::rotary_complex" in loaded.manifest["ops"]
+    assert fxrt.pattern_counts(loaded)["rotary_complex"] == 2
+    for n in (8, 13):
+        t = tokens(2, n, n)
+        with torch.inference_mode():
+            eager = model(t)
+            outs = [_loaded(path, p)(t) for p in (False, True)]
+        (cpp,) = _run_cpp(runner, path, [t], tmp_path)
+        for out in (cpp, *outs):
+            torch.testing.assert_close(out, eager)
+
+
 class _StridedConstants(torch.nn.Module):
     # Folding leaves constants that are not dense: quantile of a 0-d tensor is one of sizes (1,)
     # and strides (0,). Packages hold them with their strides, and both faces load them.

@@ -404,9 +404,10 @@ def test_a_users_pattern(executor, tmp_path):
 
 
 def test_builtins_are_registered_in_order():
-    assert list(registered_patterns())[:5] == [
-        "add_rms_norm", "rms_norm", "rotary", "gated_mlp", "gqa_attention"
+    assert list(registered_patterns())[:6] == [
+        "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention"
     ]  # fmt: skip
+    assert list(registered_patterns())[:6] == list(fxrt.patterns.BUILTIN)
 
 
 @needs_ops

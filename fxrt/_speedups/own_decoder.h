@@ -24,6 +24,15 @@
 //   pairs' (-x[2i+1], x[2i]). Every product and sum is eager's, in eager's order: results are
 //   eager's, bit for bit.
 //
+// fxrt::rotary_complex(Tensor q, Tensor k, Tensor freqs) -> (Tensor, Tensor)
+//   The rotary embedding written as a complex product (view_as_complex(x.reshape(..., -1, 2)) *
+//   freqs, or the same on real pairs): each pair (x[2i], x[2i+1]) times freqs[..., i] (complex,
+//   or real (cos, sin) pairs in a last dimension of 2), broadcast over x's leading dimensions;
+//   contiguous results of x's dtype (bfloat16 x: computed in float32, rounded once, as x.float()
+//   and a cast back). Each component is x0 c - x1 s and x0 s + x1 c with each product rounded:
+//   the real-pair chain's values bit for bit (eager's complex multiply sometimes fuses one of the
+//   two products; docs/numerics.md gives the bound).
+//
 // fxrt::gated(Tensor gate, Tensor up, str activation='silu') -> Tensor, and its out= overload.
 //   act(gate) * up, act = silu or gelu(approximate='tanh'), the gated MLP's product. The
 //   activations use a vectorized exponential (within a few float32 ulps of ATen's).
@@ -425,6 +434,7 @@ TORCH_LIBRARY_FRAGMENT(fxrt, m) {
   m.def(
       "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim=-1, "
       "bool interleaved=False) -> (Tensor, Tensor)");
+  m.def("rotary_complex(Tensor q, Tensor k, Tensor freqs) -> (Tensor, Tensor)");
   m.def("gated(Tensor gate, Tensor up, str activation='silu') -> Tensor");
   m.def(
       "gated.out(Tensor gate, Tensor up, str activation='silu', *, Tensor(a!) out) -> "
@@ -435,6 +445,7 @@ TORCH_LIBRARY_IMPL(fxrt, CompositeImplicitAutograd, m) {
   m.impl("rms_norm", TORCH_FN(fxrt::rms_norm));
   m.impl("add_rms_norm", TORCH_FN(fxrt::add_rms_norm));
   m.impl("rotary", TORCH_FN(fxrt::rotary));
+  m.impl("rotary_complex", TORCH_FN(fxrt::rotary_complex));
   m.impl("gated", TORCH_FN(fxrt::gated));
 }
 

@@ -10,7 +10,10 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/neg.h>
+#include <ATen/ops/select.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/view_as_real.h>
 
 #include <tuple>
 
@@ -170,6 +173,116 @@ inline at::Tensor rotary_reference(
   return cat_layout ? at::cat({y, x.slice(-1, rot, d)}, -1) : y;
 }
 
+// --- rotary as a complex product ------------------------------------------------------------
+
+// x's features as pairs (x[2i], x[2i+1]) times the complex frequencies (c[i], s[i]):
+// (x0 c - x1 s, x0 s + x1 c), each product rounded to float32, then the difference and the sum
+// (no fused multiply-adds), the result rounded to T once (bfloat16 x: widened, as x.float()).
+// O3 and no contraction as for rope_rows.
+template <class T>
+struct PairRows {
+  const T* x;
+  const float* f;  // (c, s) pairs, adjacent
+  T* out;
+  int64_t sizes[3];
+  int64_t xs[3], fs[3], os[3];
+  int64_t half;  // pairs per row
+};
+
+template <class T>
+[[gnu::always_inline]] inline void pair_rows_body(const PairRows<T>& p) {
+  for (int64_t a = 0; a < p.sizes[0]; ++a) {
+    for (int64_t b = 0; b < p.sizes[1]; ++b) {
+      for (int64_t c = 0; c < p.sizes[2]; ++c) {
+        const T* x = p.x + a * p.xs[0] + b * p.xs[1] + c * p.xs[2];
+        const float* f = p.f + a * p.fs[0] + b * p.fs[1] + c * p.fs[2];
+        T* o = p.out + a * p.os[0] + b * p.os[1] + c * p.os[2];
+        for (int64_t i = 0; i < p.half; ++i) {
+          const float x0 = widen(x[2 * i]), x1 = widen(x[2 * i + 1]);
+          // x0 c + x1 (-s), not x0 c - x1 s: the same value (negation is exact), and GCC 12
+          // makes the latter a fused multiply-add-subtract whatever fp-contract says.
+          const float neg_s = -f[2 * i + 1];
+          const float re = x0 * f[2 * i] + x1 * neg_s;
+          const float im = x0 * f[2 * i + 1] + x1 * f[2 * i];
+          o[2 * i] = narrow<T>(re);
+          o[2 * i + 1] = narrow<T>(im);
+        }
+      }
+    }
+  }
+}
+
+#define FXRT_PAIR_ROWS(T)                                                                   \
+  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
+  static void pair_rows(const PairRows<T>& p) {                                             \
+    pair_rows_body(p);                                                                      \
+  }
+FXRT_PAIR_ROWS(float)
+FXRT_PAIR_ROWS(c10::BFloat16)
+#undef FXRT_PAIR_ROWS
+
+// The frequencies as real (c, s) pairs: a complex tensor's real view, or the pairs themselves.
+inline at::Tensor freq_pairs(const at::Tensor& freqs) {
+  return freqs.is_complex() ? at::view_as_real(freqs) : freqs;
+}
+
+// The fast path reads x's rows (up to 3 leading dimensions) and float32 (c, s) pairs that sit
+// side by side, one per pair of x's features, broadcast over x's leading dimensions.
+inline bool fast_pairs(const at::Tensor& x, const at::Tensor& f) {
+  if (!plain_rows(x) || x.dim() > 4 || x.size(-1) % 2 || !plain_tensor(f) || !f.device().is_cpu() ||
+      f.scalar_type() != at::kFloat || f.dim() < 2 || f.dim() - 1 > x.dim() || f.size(-1) != 2 ||
+      f.stride(-1) != 1 || f.size(-2) != x.size(-1) / 2 || (f.size(-2) > 1 && f.stride(-2) != 2) ||
+      (c10::GradMode::is_enabled() && f.requires_grad())) {
+    return false;
+  }
+  for (int64_t d = 0; d < f.dim() - 2; ++d) {  // right-aligned with x's leading dimensions
+    const int64_t s = f.size(f.dim() - 3 - d);
+    if (s != 1 && s != x.size(x.dim() - 2 - d)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+inline at::Tensor run_pairs(const at::Tensor& x, const at::Tensor& f) {
+  at::Tensor out = contiguous_like(x);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    PairRows<T> p{
+        x.const_data_ptr<T>(), f.const_data_ptr<float>(), out.mutable_data_ptr<T>(), {1, 1, 1},
+        {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, x.size(-1) / 2};
+    const int64_t lead = x.dim() - 1, f_lead = f.dim() - 2;
+    for (int64_t i = 0; i < lead; ++i) {
+      const int64_t slot = 3 - lead + i, fd = i - (lead - f_lead);
+      p.sizes[slot] = x.size(i);
+      p.xs[slot] = x.stride(i);
+      p.os[slot] = out.stride(i);
+      p.fs[slot] = fd < 0 || f.size(fd) == 1 ? 0 : f.stride(fd);
+    }
+    if (out.numel() > 0) {
+      pair_rows(p);
+    }
+  };
+  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
+  return out;
+}
+
+// The same as ATen ops on real pairs (the chain gpt-fast-style code writes).
+inline at::Tensor pairs_reference(const at::Tensor& x, const at::Tensor& f) {
+  const bool low = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  const at::Tensor xp = (low ? x.to(at::kFloat) : x).unflatten(-1, {-1, 2});
+  const at::Tensor x0 = xp.select(-1, 0), x1 = xp.select(-1, 1);
+  const at::Tensor c = f.select(-1, 0), s = f.select(-1, 1);
+  const at::Tensor re = at::sub(at::mul(x0, c), at::mul(x1, s));
+  const at::Tensor im = at::add(at::mul(x0, s), at::mul(x1, c));
+  const at::Tensor y = at::stack({re, im}, -1).flatten(-2);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+inline at::Tensor rotary_pairs(const at::Tensor& x, const at::Tensor& f) {
+  return fast_pairs(x, f) ? run_pairs(x, f) : pairs_reference(x, f);
+}
+
 }  // namespace decoder_detail
 
 inline std::tuple<at::Tensor, at::Tensor> rotary(
@@ -193,6 +306,19 @@ inline std::tuple<at::Tensor, at::Tensor> rotary(
   return {
       rotary_reference(q, cos, sin, rot, interleaved, cat_layout),
       rotary_reference(k, cos, sin, rot, interleaved, cat_layout)};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> rotary_complex(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs) {
+  using namespace decoder_detail;
+  TORCH_CHECK(
+      q.size(-1) % 2 == 0 && k.size(-1) % 2 == 0, "fxrt::rotary_complex: q and k need an even ",
+      "number of features (pairs), got ", q.size(-1), " and ", k.size(-1));
+  const at::Tensor f = freq_pairs(freqs);
+  TORCH_CHECK(
+      f.dim() >= 2 && f.size(-1) == 2, "fxrt::rotary_complex: freqs must be complex, or real ",
+      "(cos, sin) pairs in a last dimension of 2; got shape ", freqs.sizes());
+  return {rotary_pairs(q, f), rotary_pairs(k, f)};
 }
 
 }  // namespace fxrt

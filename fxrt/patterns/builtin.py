@@ -14,6 +14,12 @@ Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in th
     the interleaved form ``stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``, and partial rotary
     embeddings (``cat(rope(x[..., :r]), x[..., r:])``). The query's and the key's chains that
     share ``cos`` and ``sin`` become one call.
+``rotary_complex``
+    the same rotation written as a complex product, ``view_as_real(view_as_complex(x.float()
+    .reshape(..., -1, 2)) * freqs_cis).flatten(3).type_as(x)`` (Meta's Llama), or multiplied out
+    on real ``(cos, sin)`` pairs with ``select``/``mul``/``sub``/``add``/``stack`` (gpt-fast);
+    q's and k's chains over the same frequencies (or equal views of them) become one call
+    (:mod:`fxrt.patterns.rotary_complex`).
 ``gated_mlp``
     ``act(gate) * up`` for ``act`` = ``silu`` (also spelled ``gate * sigmoid(gate)``) or
     ``gelu(approximate='tanh')``.
@@ -23,9 +29,10 @@ Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in th
     (query head ``i`` reads K/V head ``i // n``, as the repeat does), and the copies are gone.
 
 Targets: on the CPU fxrt's own ops (``fxrt::rms_norm``, ``fxrt::add_rms_norm``, ``fxrt::rotary``,
-``fxrt::gated``; the attention op itself for ``gqa_attention``), for float32 tensors with the
-layouts their fast paths read; on Ascend NPUs ``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`),
-looked up only when a graph's tensors are on an NPU.
+``fxrt::rotary_complex``, ``fxrt::gated``; the attention op itself for ``gqa_attention``), for
+float32 and bfloat16 tensors with the layouts their fast paths read; on Ascend NPUs
+``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`; ``rotary_complex`` has none there), looked
+up only when a graph's tensors are on an NPU.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from . import npu
 from .match import GraphIndex, is_contiguous, last_dim
 from .registry import Match, Target, register_pattern
 from .rotary import match_rotary, rotary_guard
+from .rotary_complex import match_rotary_complex, rotary_complex_guard
 
 _MUL = "aten::mul.Tensor"
 _ADD = "aten::add.Tensor"
@@ -377,7 +385,7 @@ def _gqa_guard(match: Match, index: GraphIndex) -> bool:
 
 # --- registration -------------------------------------------------------------------------------
 
-BUILTIN = ("add_rms_norm", "rms_norm", "rotary", "gated_mlp", "gqa_attention")
+BUILTIN = ("add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention")
 
 
 def register_builtins() -> None:
@@ -395,6 +403,12 @@ def register_builtins() -> None:
         "rotary", match_rotary,
         {"cpu": Target(_own("rotary"), rotary_guard), "npu": npu.rotary},
         anchors=[_ADD], doc="rotary embedding of q and k", _builtin=True,
+    )  # fmt: skip
+    register_pattern(
+        "rotary_complex", match_rotary_complex,
+        {"cpu": Target(_own("rotary_complex"), rotary_complex_guard)},
+        anchors=["aten::view_as_real", "aten::stack"],
+        doc="rotary embedding of q and k as a complex product", _builtin=True,
     )  # fmt: skip
     register_pattern(
         "gated_mlp", match_gated,
