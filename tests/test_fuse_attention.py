@@ -33,9 +33,11 @@ class Attention(nn.Module):
     """softmax(q k^T * scale [masked]) v with the masks and scales model code writes: the mask is
     made in forward (a constant once folded) or, with ``mask="input"``, computed from the input."""
 
-    def __init__(self, mask: str = "causal", scale: str = "div", dtype=torch.float32):
+    def __init__(
+        self, mask: str = "causal", scale: str = "div", dtype=torch.float32, additive=False
+    ):
         super().__init__()
-        self.mask, self.scale, self.heads = mask, scale, 2
+        self.mask, self.scale, self.heads, self.additive = mask, scale, 2, additive
         self.qkv = nn.Linear(32, 96, dtype=dtype)
         self.return_weights = False
         self.merge_heads = True
@@ -63,8 +65,14 @@ class Attention(nn.Module):
             scores = scores / math.sqrt(h // self.heads)
         elif self.scale == "mul":
             scores = scores * 0.3
-        keep = self.keep(x)
-        if keep is not None:
+        if self.mask == "alibi":  # a finite bias per distance, added (ALiBi's shape)
+            pos = torch.arange(s, device=x.device)
+            scores = scores - 0.5 * (pos[:, None] - pos[None]).abs().to(scores.dtype)
+        keep = self.keep(x) if self.mask != "alibi" else None
+        if keep is not None and self.additive:  # Meta's Llama: scores + mask, -inf where not
+            bias = torch.zeros(keep.shape, dtype=scores.dtype).masked_fill(~keep, float("-inf"))
+            scores = scores + bias
+        elif keep is not None:
             scores = scores.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = probs @ v
@@ -154,6 +162,23 @@ def test_no_mask_and_a_multiplied_scale():
     assert node.args[4] is False and node.kwargs == {"attn_mask": None, "scale": 0.3}
 
 
+def test_an_added_mask_is_causal_or_an_additive_float_mask():
+    """``scores + m`` with a constant ``m``: the triangle of zeros and -inf is is_causal; any
+    other finite-per-row bias the fused op's attn_mask."""
+    g = _graph(Attention("causal", additive=True).eval(), torch.randn(1, 8, 32))
+    (node,) = [n for n in g.nodes if n.op.name == FUSED]
+    assert node.args[4] is True and node.kwargs["attn_mask"] is None
+    g = _graph(Attention("band", additive=True).eval(), torch.randn(1, 8, 32))
+    (node,) = [n for n in g.nodes if n.op.name == FUSED]
+    want = torch.zeros(8, 8).masked_fill(~BAND, -math.inf)
+    torch.testing.assert_close(g.constants[node.kwargs["attn_mask"].id], want.view(1, 1, 8, 8))
+    g = _graph(Attention("alibi").eval(), torch.randn(1, 8, 32))
+    (node,) = [n for n in g.nodes if n.op.name == FUSED]
+    pos = torch.arange(8)
+    bias = -0.5 * (pos[:, None] - pos[None]).abs().float()
+    torch.testing.assert_close(g.constants[node.kwargs["attn_mask"].id], bias.view(1, 1, 8, 8))
+
+
 @pytest.mark.parametrize("case", ["weights_returned", "no_rows", "input", "float64"])
 def test_left_alone(case):
     model = Attention(
@@ -209,9 +234,15 @@ def test_decoder_block_equals_eager(executor):
     assert RUNS_FUSED & _ops(built[0].graph) or FUSED not in own_ops_available()
 
 
+@pytest.mark.parametrize("mask", ["causal", "band", "alibi"])
+def test_added_masks_equal_eager(executor, mask):
+    _check(Attention(mask, additive=True), executor, fused=True)
+
+
 @pytest.mark.parametrize("case", ["weights_returned", "no_rows", "input"])
-def test_left_alone_equals_eager(executor, case):
-    model = Attention("causal" if case == "weights_returned" else case)
+@pytest.mark.parametrize("additive", [False, True], ids=["masked_fill", "added"])
+def test_left_alone_equals_eager(executor, case, additive):
+    model = Attention("causal" if case == "weights_returned" else case, additive=additive)
     model.return_weights = case == "weights_returned"
     _check(model, executor, fused=False)
 

@@ -16,10 +16,15 @@ Matched, on static float32 CPU tensors ``q [B, H, L, D]``, ``k [B, H, S, D]``, `
 * scores ``bmm(view(q), view(transpose(k, -2, -1)))`` viewed back to ``[B, H, L, S]``;
 * an optional scale: ``div`` or ``mul`` by a number;
 * an optional mask: ``masked_fill(scores, m, -inf)`` with ``m`` a constant boolean tensor (after
-  constant folding, a mask made in ``forward`` is one). A lower-triangular keep-mask is
+  constant folding, a mask made in ``forward`` is one), or a constant float32 bias added
+  (``scores + m``, Meta's Llama: zeros and -inf) or subtracted (``scores - m``, ALiBi's
+  distances). A lower-triangular keep-mask (zeros below the diagonal, -inf above) is
   ``is_causal``; any other becomes an additive float mask. A row every key of which is masked
-  (eager's softmax gives NaN there, the flash kernel zeros) stops the match;
-* ``_softmax(-1)``, then ``bmm(view(probs), view(v))`` viewed back to ``[B, H, L, D]``;
+  (eager's softmax gives NaN there, the flash kernel zeros), or a bias holding NaN or +inf, stops
+  the match;
+* ``_softmax(-1)``, then ``bmm(view(probs), view(v))`` viewed back to ``[B, H, L, D]``; q, k
+  and v may be read through the contiguous copy matmul's decomposition makes of a strided
+  operand (the copy goes with the rest: the pass removes what the fused op left unread);
 * every intermediate read only by the next step (a model that also returns its attention weights
   keeps its ops), and nothing written in place between the first read and the last.
 
@@ -43,6 +48,7 @@ import torch
 from ..analysis.values import alias_roots, replace_uses, unique_name, written_values
 from ..ir.from_fx import tensor_meta
 from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind
+from .eliminate_dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape"})
@@ -103,13 +109,18 @@ class _Matcher:
         return n.args[0]
 
     def unview(self, ref: Any, shape: tuple[int, ...]) -> int | None:
-        """``ref`` is a reshape of a 4-D value of ``shape`` (which other nodes may read too)."""
+        """``ref`` is a reshape of a 4-D value of ``shape`` (which other nodes may read too), or
+        of a contiguous copy of it (matmul's decomposition copies a strided operand)."""
         if not isinstance(ref, Ref):
             return None
         n = self.producer.get(ref.id)
         if n is None or n.op.name not in _RESHAPES or not isinstance(n.args[0], Ref):
             return None
-        src = self.through_expand(n.args[0]).id
+        copy = self.producer.get(n.args[0].id)
+        arg = n.args[0]
+        if copy is not None and copy.op.name == "aten::clone" and isinstance(copy.args[0], Ref):
+            arg = copy.args[0]
+        src = self.through_expand(arg).id
         meta = self.meta(src)
         return src if meta is not None and tuple(meta.shape) == shape else None
 
@@ -131,17 +142,26 @@ class _Matcher:
         S = self.meta(softmax.outputs[0]).shape[-1]
         if tuple(self.meta(softmax.outputs[0]).shape) != (B, H, L, S):
             return None
-        x, causal, mask = softmax.args[0], False, None
+        x, causal, mask, dropped = softmax.args[0], False, None, None
+        tril = torch.ones(L, S, dtype=torch.bool).tril().expand(B, H, L, S)
         masked = self.node(x, "aten::masked_fill.Scalar")
+        added = self.node(x, "aten::add.Tensor", "aten::sub.Tensor") if masked is None else None
         if masked is not None:
             keep = self._keep_mask(masked, (B, H, L, S))
             if keep is None:
                 return None
-            tril = torch.ones(L, S, dtype=torch.bool).tril()
-            causal = bool(torch.equal(keep.expand(B, H, L, S), tril.expand(B, H, L, S)))
+            causal = bool(torch.equal(keep.expand(B, H, L, S), tril))
             if not causal:
                 mask = torch.zeros(keep.shape).masked_fill_(~keep, -math.inf)
-            x = masked.args[0]
+            x, dropped = masked.args[0], masked.args[1].id
+        elif added is not None:
+            found = self._added_mask(added, (B, H, L, S))
+            if found is None:
+                return None
+            x, bias, dropped = found
+            zeros = bool((bias.expand(B, H, L, S)[tril] == 0).all())
+            causal = zeros and bool((bias.expand(B, H, L, S)[~tril] == -math.inf).all())
+            mask = None if causal or bool((bias == 0).all()) else bias
         scale, scaled = 1.0, self.node(x, "aten::div.Tensor", "aten::mul.Tensor")
         if scaled is not None:
             c = scaled.args[1]
@@ -164,9 +184,8 @@ class _Matcher:
         k = k_node.args[0].id
         if not all(_usable(self.meta(t)) for t in (q, k, v)):
             return None
-        chain = (bmm1, scores4, scaled, masked, softmax, *expands, probs3, bmm2, out_view)
+        chain = (bmm1, scores4, scaled, masked, added, softmax, *expands, probs3, bmm2, out_view)
         nodes = [n for n in self.graph.nodes if any(n is c for c in chain)]
-        dropped = masked.args[1].id if masked is not None else None
         return _Match(q, k, v, scale, causal, mask, nodes, out, dropped)
 
     def _sole_reader(self, vid: int, names: frozenset[str]) -> Node | None:
@@ -193,6 +212,32 @@ class _Matcher:
             return None
         return keep
 
+    def _added_mask(
+        self, added: Node, shape: tuple[int, ...]
+    ) -> tuple[Any, torch.Tensor, int] | None:
+        """``scores + m`` (either order) or ``scores - m`` with ``m`` a constant float32 tensor
+        broadcast to 4-D, every row keeping a finite score, no NaN or +inf: (scores, the bias
+        as 4-D, ``m``'s id)."""
+        if added.kwargs or len(added.args) != 2:
+            return None
+        sub = added.op.name == "aten::sub.Tensor"
+        for x, m in (added.args,) if sub else (added.args, added.args[::-1]):
+            if not isinstance(m, Ref) or m.id not in self.graph.constants:
+                continue
+            bias = self.graph.constants[m.id]
+            if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32 or bias.dim() > 4:
+                return None
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias = -bias if sub else bias  # exact: scores - m is scores + (-m)
+            try:
+                torch.broadcast_shapes(bias.shape, shape)
+            except RuntimeError:
+                return None
+            if bias.isnan().any() or (bias == math.inf).any() or not bias.isfinite().any(-1).all():
+                return None  # eager's softmax gives NaN where the flash kernel does not
+            return x, bias, m.id
+        return None
+
 
 def _usable(meta: TensorMeta | None) -> bool:
     return (
@@ -213,9 +258,13 @@ def _cpu_meta(fake: torch.Tensor) -> TensorMeta:
 def fuse_attention(graph: Graph) -> Graph:
     if not any(n.op.name == "aten::_softmax" for n in graph.nodes):
         return graph  # most graphs: nothing to look at
+    fused = False
     while (match := _find(graph)) is not None:
         _rewrite(graph, match)
-    return graph
+        fused = True
+    # the reshapes and copies that fed the bmms go now, so that the fused patterns see the
+    # attention's q, k and v read by it alone (grouped-query K/V heads, then, read un-repeated)
+    return eliminate_dead_code(graph) if fused else graph
 
 
 def _find(graph: Graph) -> _Match | None:
