@@ -120,10 +120,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv: int, rope: str, attention: str):
+    def __init__(self, dim: int, n_heads: int, n_kv: int, hidden: int, rope: str, attention: str):
         super().__init__()
         self.attention = Attention(dim, n_heads, n_kv, rope, attention)
-        self.feed_forward = FeedForward(dim, 4 * dim)
+        self.feed_forward = FeedForward(dim, hidden)
         self.attention_norm = RMSNorm(dim)
         self.ffn_norm = RMSNorm(dim)
 
@@ -142,6 +142,7 @@ class Llama(nn.Module):
         n_heads: int = 4,
         n_kv: int = 2,
         vocab: int = 128,
+        hidden: int = 128,
         max_seq: int = 128,
         rope: str = "complex",
         attention: str = "manual",
@@ -149,7 +150,7 @@ class Llama(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
-            Block(dim, n_heads, n_kv, rope, attention) for _ in range(layers)
+            Block(dim, n_heads, n_kv, hidden, rope, attention) for _ in range(layers)
         )
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)

@@ -220,18 +220,24 @@ class GatedMLP(nn.Module):
 
 class RepeatKV(nn.Module):
     """Attention over K/V heads repeated with transformers' repeat_kv, with a mask (the case
-    in which transformers repeats instead of passing enable_gqa)."""
+    in which transformers repeats instead of passing enable_gqa); ``layout="bshd"``: Meta's
+    repeat_kv, on [b, s, h, d] before the heads' transpose."""
 
-    def __init__(self):
+    def __init__(self, layout: str = "bhsd"):
         super().__init__()
         self.qkv = nn.Linear(32, 64)
+        self.layout = layout
 
     def forward(self, x, mask):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).split([32, 16, 16], -1)
         q = q.view(b, s, 4, 8).transpose(1, 2)
-        k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in (k, v))
-        k, v = (t[:, :, None].expand(b, 2, 2, s, 8).reshape(b, 4, s, 8) for t in (k, v))
+        if self.layout == "bshd":
+            k, v = (t.view(b, s, 2, 8)[:, :, :, None].expand(b, s, 2, 2, 8) for t in (k, v))
+            k, v = (t.reshape(b, s, 4, 8).transpose(1, 2) for t in (k, v))
+        else:
+            k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in (k, v))
+            k, v = (t[:, :, None].expand(b, 2, 2, s, 8).reshape(b, 4, s, 8) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -306,13 +312,14 @@ def test_gated_mlp_fuses(act, executor):
 
 
 @needs_ops
-def test_repeated_kv_heads_are_read_unrepeated(executor):
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_repeated_kv_heads_are_read_unrepeated(layout, executor):
     def inputs(seed):
         g = torch.Generator().manual_seed(seed)
         mask = torch.randn(1, 1, 6, 6, generator=g)
         return torch.randn(2, 6, 32, generator=g), mask
 
-    counts = compile_twice(RepeatKV(), inputs, executor)
+    counts = compile_twice(RepeatKV(layout), inputs, executor)
     assert counts == {"gqa_attention": 1}
 
 

@@ -15,8 +15,9 @@ For each registered pattern not turned off, in registration order, the pass scan
    that point and every reader of a result after it, and nothing in between may write an
    argument's storage;
 4. the fused node (named ``fused_<pattern>``) takes the replaced values' metadata (the target's
-   guard vouched for the layout); readers of a replaced value read the fused result; the
-   matched nodes that nothing else reads are removed.
+   guard vouched for the layout), after the views its arguments name (:class:`View`); readers
+   of a replaced value read the fused result; the matched nodes that nothing else reads are
+   removed.
 
 :func:`fxrt.pattern_counts` counts, in any graph (a fresh compile's, a cache entry's, a loaded
 package's), the fused nodes of each pattern by their names.
@@ -34,6 +35,7 @@ from ..patterns import (
     Match,
     Pattern,
     Target,
+    View,
     registered_patterns,
     target_device,
 )
@@ -120,7 +122,7 @@ def _place(
     first, last = min(positions), max(positions)
     at = index.position[id(m.at)] if m.at is not None else last
     inside = {id(n) for n in m.nodes}
-    args = refs_in((m.args, m.kwargs))
+    args = refs_in(([a.args if isinstance(a, View) else a for a in m.args], m.kwargs))
     for v in args:
         p = index.producer.get(v)
         if p is None:
@@ -164,7 +166,16 @@ def _rewrite(
                     mapping[r] = vid
             trace = graph.nodes[at].stack_trace if m.at is not None else None
             trace = trace or max(m.nodes, key=lambda n: index.position[id(n)]).stack_trace
-            fused = Node(name, op, m.args, m.kwargs, outputs, multi, trace)
+            args = []
+            for a in m.args:  # a View is made just before the call
+                if isinstance(a, View):
+                    view_name = unique_name(taken, f"{pattern.name}_view")
+                    vid = graph.add_value(view_name, ValueKind.TENSOR, a.meta)
+                    view = Node(view_name, Op.of(a.op), a.args, {}, [vid], False, trace)
+                    after.setdefault(at, []).append(view)
+                    a = Ref(vid)
+                args.append(a)
+            fused = Node(name, op, tuple(args), m.kwargs, outputs, multi, trace)
             after.setdefault(at, []).append(fused)
         # A matched node goes when each of its results is replaced or read only by nodes that
         # go (decided from the last node back, so its readers are decided first); one whose

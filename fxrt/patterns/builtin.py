@@ -37,6 +37,7 @@ up only when a graph's tensors are on an NPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -45,7 +46,7 @@ import torch
 from ..ir.graph import Node, Ref
 from . import npu
 from .match import GraphIndex, is_contiguous, last_dim
-from .registry import Match, Target, register_pattern
+from .registry import Match, Target, View, register_pattern
 from .rotary import match_rotary, rotary_guard
 from .rotary_complex import match_rotary_complex, rotary_complex_guard
 
@@ -338,7 +339,16 @@ def _gated_guard(match: Match, index: GraphIndex) -> bool:
 
 
 def _unrepeated(index: GraphIndex, x: Any, heads: int) -> tuple[Any, list[Node]] | None:
-    """``x`` = K/V heads repeated ``n`` times each (``repeat_kv``): the un-repeated value."""
+    """``x`` = K/V heads repeated ``n`` times each (``repeat_kv``): the un-repeated value, or a
+    :class:`View` of it. Two layouts: ``[b, hk, s, d]`` repeated at dim 2 (transformers), or
+    ``[b, s, hk, d]`` repeated at dim 3 and then ``transpose(1, 2)`` (Meta's reference code),
+    whose un-repeated heads are that transpose of the source."""
+    transpose = index.only_for(x, "aten::transpose.int")
+    before = transpose is not None
+    if before:
+        if sorted(d % 4 for d in transpose.args[1:3]) != [1, 2]:
+            return None
+        x = transpose.args[0]
     view = index.only_for(x, *_RESHAPES)
     if view is None:
         return None
@@ -349,17 +359,24 @@ def _unrepeated(index: GraphIndex, x: Any, heads: int) -> tuple[Any, list[Node]]
     expand = index.only_for(src, "aten::expand")
     if expand is None:
         return None
-    unsq = index.only_for(expand.args[0], "aten::unsqueeze", _SLICE)
+    unsq = index.only_for(expand.args[0], "aten::unsqueeze")
     if unsq is None:
         return None
     base = unsq.args[0]
     bm, em = index.meta(base), index.meta(Ref(expand.outputs[0]))
     if bm is None or em is None or len(bm.shape) != 4 or len(em.shape) != 5:
         return None
-    if unsq.op.name == "aten::unsqueeze" and unsq.args[1] not in (2, -3):
+    if unsq.args[1] % 5 != (3 if before else 2):
         return None
-    if unsq.op.name == _SLICE:  # x[:, :, None] traces as slice + unsqueeze in some versions
-        return None
+    if before:  # [b, s, hk, n, d]
+        b, s, hk, n, d = em.shape
+        if (b, s, hk, d) != tuple(bm.shape) or hk * n != heads:
+            return None
+        shape, stride = list(bm.shape), list(bm.stride)
+        shape[1], shape[2], stride[1], stride[2] = shape[2], shape[1], stride[2], stride[1]
+        meta = dataclasses.replace(bm, shape=tuple(shape), stride=tuple(stride))
+        view_of = View(torch.ops.aten.transpose.int, (base, 1, 2), meta)
+        return view_of, [transpose, *chain, expand, unsq]
     b, hk, n, s, d = em.shape
     if (b, hk, s, d) != tuple(bm.shape) or hk * n != heads:
         return None

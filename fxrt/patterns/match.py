@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorMeta, is_contiguous
+from .registry import View
 
 
 class GraphIndex:
@@ -47,7 +48,10 @@ class GraphIndex:
                 self.readers.setdefault(v, []).append(n)
 
     def meta(self, x: Any) -> TensorMeta | None:
-        """The tensor metadata of a :class:`Ref` (None for anything else)."""
+        """The tensor metadata of a :class:`Ref` or a :class:`~fxrt.patterns.View` (None for
+        anything else)."""
+        if isinstance(x, View):
+            return x.meta
         return self.graph.values[x.id].meta if isinstance(x, Ref) else None
 
     def made_by(self, x: Any, *names: str) -> Node | None:

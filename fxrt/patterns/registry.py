@@ -37,7 +37,8 @@ class Match:
     """What a matcher found: one fused call that replaces ``nodes``.
 
     Attributes:
-        args: the fused op's positional arguments (``Ref`` to graph values, and constants).
+        args: the fused op's positional arguments (``Ref`` to graph values, :class:`View` of
+            them, and constants).
         kwargs: its keyword arguments.
         results: per result of the fused op, the value id it stands for (None: a result nothing
             reads). Every reader of such a value reads the fused result instead.
@@ -55,6 +56,23 @@ class Match:
     nodes: list[Node]
     info: dict[str, Any] = field(default_factory=dict)
     at: Node | None = None
+
+
+@dataclass(frozen=True)
+class View:
+    """A fused call's argument that the graph does not hold: a view of graph values, made just
+    before the call (``View(torch.ops.aten.transpose.int, (Ref(k), 1, 2), meta)``: K/V heads
+    un-repeated in another layout than the attention reads). Only views: the node reads no data.
+
+    Attributes:
+        op: the view op (an ``OpOverload``).
+        args: its arguments (``Ref`` to graph values, and constants).
+        meta: the view's :class:`~fxrt.ir.graph.TensorMeta`.
+    """
+
+    op: Any
+    args: tuple[Any, ...]
+    meta: Any
 
 
 @dataclass(frozen=True)
