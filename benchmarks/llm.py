@@ -4,8 +4,11 @@ patterns' match counts and what each pattern saves.
 Models: tiny random-weight ``transformers`` decoders built from configs (2 layers, hidden 64,
 4 query / 2 key-value heads, head size 16; nothing is downloaded): Llama, Qwen2, Mistral and
 Gemma, which the patterns were written against, and Qwen3, Phi-3, OLMo-2 and Granite, which they
-were not. One process, one intra-op thread (``torch.set_num_threads(1)``), ``torch.no_grad()``,
-static shapes:
+were not; and the same sizes written as reference code outside ``transformers``
+(tests/reference_llama.py, forward only): ``llama-ref``, Meta's Llama (rotary as a complex
+product, attention by hand), and ``llama-pairs``, its rotary on real pairs with
+``scaled_dot_product_attention`` (gpt-fast's and torchtitan's spellings). One process, one
+intra-op thread (``torch.set_num_threads(1)``), ``torch.no_grad()``, static shapes:
 
   eager       the model as it is
   inductor    ``torch.compile`` with Inductor's defaults
@@ -59,6 +62,9 @@ from fxrt.bench import measure
 from fxrt.patterns import BUILTIN, registered_patterns
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(
+    1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
 from clients import fresh_method  # noqa: E402
 
 VOCAB = 128
@@ -66,9 +72,23 @@ LAYERS = 2
 DTYPE = torch.float32  # --dtype
 TUNED = ["llama", "qwen2", "mistral", "gemma"]
 UNTUNED = ["qwen3", "phi3", "olmo2", "granite"]
+# decoders written as reference code writes them (tests/reference_llama.py), forward only
+REFERENCE = ["llama-ref", "llama-pairs"]
 
 
 def build(name: str) -> Any:
+    if name in REFERENCE:
+        from reference_llama import Llama
+
+        torch.manual_seed(0)
+        if name == "llama-ref":  # Meta's model.py: complex rotary, attention by hand
+            return Llama(layers=LAYERS, vocab=VOCAB, max_seq=256).eval().to(DTYPE)
+        # real-pair rotary and scaled_dot_product_attention (gpt-fast, torchtitan)
+        return (
+            Llama(layers=LAYERS, vocab=VOCAB, max_seq=256, rope="pairs", attention="sdpa")
+            .eval()
+            .to(DTYPE)
+        )
     import transformers as hf
 
     classes = {
@@ -114,6 +134,11 @@ def compiled(model: Any, who: str, dynamic: bool | None = False) -> Any:
 _tags = itertools.count()
 
 
+def logits(out: Any) -> torch.Tensor:
+    """A transformers model's logits, or a reference model's output (its logits)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 def ids(batch: int, tokens: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(batch * 1000 + tokens)
     return torch.randint(0, VOCAB, (batch, tokens), generator=g)
@@ -127,7 +152,7 @@ def forward(
     for batch, tokens in shapes:
         x = ids(batch, tokens)
         with torch.no_grad():
-            expected = model(x).logits
+            expected = logits(model(x))
         fns, compile_s = {}, {}
         who_list = ["eager", "inductor", "fxrt", "fxrt-nopat"]
         if f"{batch}x{tokens}" in ablate:
@@ -137,7 +162,7 @@ def forward(
             f = compiled(model, who)
             t0 = time.perf_counter()
             with cold(who), torch.no_grad():
-                got = f(x).logits
+                got = logits(f(x))
             compile_s[who] = time.perf_counter() - t0
             tol = 1e-4 if DTYPE is torch.float32 else 3e-2  # bfloat16: a few ulps of the logits
             torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
@@ -309,7 +334,7 @@ def generate(name: str, new_tokens: int, rounds: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(TUNED + UNTUNED))
+    parser.add_argument("--models", default=",".join(TUNED + UNTUNED + REFERENCE))
     parser.add_argument("--shapes", default="1x16,1x128,4x16,4x128")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--gen-rounds", type=int, default=3)
@@ -350,7 +375,8 @@ def main() -> None:
         speedups = [r["us"]["inductor"] / r["us"]["fxrt"] for r in rows]
         geo = statistics.geometric_mean(speedups)
         print(f"\ngeomean speed vs inductor: {geo:.2f}x; lowest {min(speedups):.2f}x")
-        for group, names in (("tuned on", TUNED), ("not tuned on", UNTUNED)):
+        groups = (("tuned on", TUNED), ("not tuned on", UNTUNED), ("reference code", REFERENCE))
+        for group, names in groups:
             part = [r["us"]["inductor"] / r["us"]["fxrt"] for r in rows if r["model"] in names]
             if part:
                 print(f"  {group}: geomean {statistics.geometric_mean(part):.2f}x, "
@@ -363,7 +389,7 @@ def main() -> None:
             print(f"\n# generate(), ms per new token (median of {args.gen_rounds} rounds)")
             print("| model | KV cache | new tokens | eager | inductor | fxrt | fxrt/inductor |")
             print("|---|---|---|---|---|---|---|")
-            for m in models:
+            for m in (m for m in models if m not in REFERENCE):  # generate() is transformers'
                 for n in (int(v) for v in args.new_tokens.split(",")):
                     generate(m, n, args.gen_rounds)
     sys.stdout.flush()
