@@ -20,7 +20,7 @@ from conftest import native_available, recording_compiles, skip_unless_executor
 from torch import nn
 
 import fxrt
-from fxrt.patterns import Match, Target, registered_patterns
+from fxrt.patterns import Match, Target, View, registered_patterns
 
 needs_ops = pytest.mark.skipif(not native_available(), reason="fxrt's own ops need the extension")
 BF16_CPU = True  # eager computes these chains in bfloat16 on the CPU
@@ -408,6 +408,40 @@ def test_a_users_pattern(executor, tmp_path):
     assert "softplus" not in registered_patterns()
     # a cache entry made with the pattern is not what a compile without it may read
     assert compile_twice(Softplus(), x_input(4, 9), executor, cache_dir=str(tmp_path)) == {}
+
+
+def _softplus_of_a_view(op):
+    def match(node, index):
+        exp = index.only_for(node.args[0], "aten::exp")
+        if exp is None:
+            return None
+        view = View(op, (exp.args[0],), index.meta(exp.args[0]))  # the fused call reads a view
+        return Match((view,), {}, [node.outputs[0]], [node, exp])
+
+    return match
+
+
+def test_a_view_argument_is_made_before_the_call(executor):
+    fxrt.register_pattern(
+        "softplus_view", _softplus_of_a_view(torch.ops.aten.alias.default),
+        {"cpu": Target(torch.ops.aten.softplus.default)}, anchors=["aten::log1p"],
+    )  # fmt: skip
+    try:
+        assert compile_twice(Softplus(), x_input(4, 9), executor) == {"softplus_view": 1}
+    finally:
+        fxrt.unregister_pattern("softplus_view")
+
+
+def test_a_view_argument_that_computes_is_refused(executor):
+    fxrt.register_pattern(
+        "softplus_view", _softplus_of_a_view(torch.ops.aten.exp.default),
+        {"cpu": Target(torch.ops.aten.softplus.default)}, anchors=["aten::log1p"],
+    )  # fmt: skip
+    try:
+        with pytest.raises(Exception, match="'softplus_view' at node 'log1p'.*not a view op"):
+            compile_twice(Softplus(), x_input(4, 9), executor)
+    finally:
+        fxrt.unregister_pattern("softplus_view")
 
 
 def test_builtins_are_registered_in_order():

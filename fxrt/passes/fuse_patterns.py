@@ -71,6 +71,7 @@ def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
             ) from e
         if match is None or any(id(n) in index.claimed for n in match.nodes):
             continue
+        _check_views(pattern, node, match)
         found = _target(pattern, match, index, own_ops)
         if found is None:
             continue
@@ -85,6 +86,22 @@ def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
         chosen.append((match, calls, op, at))
     if chosen:
         _rewrite(graph, index, pattern, chosen)
+
+
+def _check_views(pattern: Pattern, node: Node, match: Match) -> None:
+    """A :class:`View` argument names an op whose result is a view of its first argument (no
+    data is computed between the chain and the fused call)."""
+    for a in match.args:
+        if not isinstance(a, View):
+            continue
+        schema = getattr(a.op, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if alias is None or alias.is_write or not isinstance(a.args[0], Ref):
+            raise ValueError(
+                f"pattern {pattern.name!r} at node {node.name!r}: View({a.op}) is not a view op "
+                "(its result must alias its first argument, a graph value); pass the value "
+                "itself, or a view such as torch.ops.aten.transpose.int"
+            )
 
 
 def _target(
