@@ -305,6 +305,31 @@ def test_rotary_q_and_k_in_one_call(form, executor):
     assert compile_twice(model, inputs, executor) == {"rotary": 1}
 
 
+class ChainedRope(nn.Module):
+    """Two rotations over one cos and sin, the second of a value made from the first's result:
+    no one call stands for both, so each is its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(32, 32)
+
+    def forward(self, x, cos, sin):
+        b, n, _ = x.shape
+        q = self.w(x).view(b, n, 4, 8).transpose(1, 2)
+        q1 = q * cos + rotate_half(q) * sin
+        y = q1 * 2 + 1
+        return q1, y * cos + rotate_half(y) * sin
+
+
+@needs_ops
+def test_chained_rotations_fuse_one_by_one(executor):
+    def inputs(seed):
+        return (torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(seed)),
+                *_cos_sin(6, 8, seed))  # fmt: skip
+
+    assert compile_twice(ChainedRope(), inputs, executor) == {"rotary": 2}
+
+
 @needs_ops
 @pytest.mark.parametrize("act", ["silu", "sigmoid", "gelu_tanh"])
 def test_gated_mlp_fuses(act, executor):

@@ -188,6 +188,29 @@ def test_a_chain_whose_product_is_returned_keeps_its_ops(form, executor):
     assert fused.args[0] == fused.args[1]  # k alone
 
 
+class Chained(torch.nn.Module):
+    """Two rotations over one table, the second of a value made from the first's result: no
+    single call can stand for both, so each chain is its own call."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(32, 32)
+        self.freqs, self.form = freqs(16, 4), "complex"
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        f = self.freqs[:n]
+        q = self.w(x).view(b, n, 4, 8)
+        q1 = apply_rotary_emb(q, q, f)[0]
+        q2 = apply_rotary_emb(q1 * 2 + 1, q1, f)[0]
+        return q1, q2
+
+
+def test_chains_one_call_cannot_stand_for_fuse_one_by_one(executor):
+    counts, _ = compile_twice(Chained(), torch.float32, executor)
+    assert counts == {"rotary_complex": 2}
+
+
 def test_bfloat16_frequencies_keep_the_aten_ops(executor):
     """gpt-fast keeps its cache in the model's dtype: bfloat16 (cos, sin) times float32 pairs
     is not the op's float32 product, so the chain stays, with eager's values."""

@@ -144,16 +144,29 @@ def match_rotary(node: Node, index: GraphIndex) -> Match | None:
                 second = {**other, "anchor": cand}
     features = -1 if not first["partial"] else first["rot"]
     args: tuple[Any, ...]
-    if second is None:
+    fits, at = pair_place(index, first, second) if second is not None else (False, None)
+    if not fits:
         args = (first["x"], first["x"], first["cos"], first["sin"], features, first["inter"])
         return Match(args, {}, [first["out"], None], first["nodes"])
     args = (first["x"], second["x"], first["cos"], first["sin"], features, first["inter"])
-    # After q's chain when k is ready by then (a reader of q's result may come before k's chain
-    # ends, as Phi-3's cat does); the pass checks the place either way.
-    k_made = index.producer.get(second["x"].id) if isinstance(second["x"], Ref) else None
-    at = first["nodes"][0] if k_made is None or index.before(k_made, first["nodes"][0]) else None
     nodes = first["nodes"] + second["nodes"]
     return Match(args, {}, [first["out"], second["out"]], nodes, at=at)
+
+
+def pair_place(
+    index: GraphIndex, first: dict[str, Any], second: dict[str, Any]
+) -> tuple[bool, Node | None]:
+    """Whether one call can stand for q's chain ``first`` and k's ``second`` (each with ``x``,
+    ``out`` and ``nodes``), and the node it goes after: q's chain's last when k is made by then
+    (a reader of q's result may come before k's chain ends, as Phi-3's cat does), else None, the
+    end of k's chain, which no reader of q's result may precede (else each chain is its own
+    call). The pass checks the place either way."""
+    q_end = max(first["nodes"], key=lambda n: index.position[id(n)])
+    k_made = index.producer.get(second["x"].id) if isinstance(second["x"], Ref) else None
+    if k_made is None or index.before(k_made, q_end):
+        return True, q_end
+    k_end = max(second["nodes"], key=lambda n: index.position[id(n)])
+    return not any(index.before(r, k_end) for r in index.readers.get(first["out"], ())), None
 
 
 def rotary_guard(match: Match, index: GraphIndex) -> bool:
@@ -184,4 +197,4 @@ def _empty_like_stride(meta: Any) -> tuple[int, ...] | None:
     return tuple(torch.empty_like(fake).stride())
 
 
-__all__ = ["match_rotary", "rotary_guard"]
+__all__ = ["match_rotary", "pair_place", "rotary_guard"]

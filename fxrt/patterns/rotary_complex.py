@@ -26,6 +26,7 @@ import torch
 from ..ir.graph import Node, Ref
 from .match import GraphIndex, is_contiguous
 from .registry import Match
+from .rotary import pair_place
 
 _MUL = "aten::mul.Tensor"
 _RESHAPES = ("aten::view", "aten::_unsafe_view", "aten::reshape")
@@ -214,13 +215,10 @@ def match_rotary_complex(node: Node, index: GraphIndex) -> Match | None:
         ):
             second = other
             break
-    if second is None:
+    fits, at = pair_place(index, first, second) if second is not None else (False, None)
+    if not fits:
         args = (first["x"], first["x"], first["freqs"])
         return Match(args, {}, [first["out"], None], first["nodes"])
-    # After q's chain when k is ready by then (see match_rotary).
-    k_made = index.producer.get(second["x"].id) if isinstance(second["x"], Ref) else None
-    q_end = max(first["nodes"], key=lambda n: index.position[id(n)])
-    at = q_end if k_made is None or index.before(k_made, q_end) else None
     args = (first["x"], second["x"], first["freqs"])
     return Match(args, {}, [first["out"], second["out"]], first["nodes"] + second["nodes"], at=at)
 
