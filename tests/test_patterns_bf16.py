@@ -47,19 +47,24 @@ def within_ulps(got, expected, ulps):
 
 
 @pytest.mark.parametrize("outside", [False, True])
-def test_rms_norm_is_the_widened_norm_within_one_ulp(outside):
+@pytest.mark.parametrize("seed", [0, 1248])
+def test_rms_norm_is_the_widened_norm_within_two_ulps(outside, seed):
+    """The norm in float32 rounds to bfloat16 within one ulp of the widened chain's; the
+    weight's bfloat16 product of a value one ulp apart can round two apart (seed 1248: the
+    residual norm's element (0, 1, 56) of the random case, without ``eps`` outside)."""
+    torch.manual_seed(seed)
     w = torch.randn(64).to(BF16)
     for x in adversarial((3, 5, 64)):
         got = own("rms_norm")(x, w, 1e-6, 0.0, outside)
         assert got.dtype is BF16
-        within_ulps(got, widened_rms(x, w, 1e-6, outside), 1)
+        within_ulps(got, widened_rms(x, w, 1e-6, outside), 2)
         out = torch.empty_like(x)
         own("rms_norm").out(x, w, 1e-6, 0.0, outside, out=out)
         torch.testing.assert_close(out, got, rtol=0, atol=0, equal_nan=True)
         r = torch.randn(x.shape).to(BF16)
         y, s = own("add_rms_norm")(x, r, w, 1e-6, 0.0, outside)
         torch.testing.assert_close(s, x + r, rtol=0, atol=0, equal_nan=True)  # eager's sum
-        within_ulps(y, widened_rms(x + r, w, 1e-6, outside), 1)
+        within_ulps(y, widened_rms(x + r, w, 1e-6, outside), 2)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
