@@ -75,15 +75,15 @@ template <class T>
   }
 }
 
-// O3 as for rms_norm_rows.
-#define FXRT_ROPE_ROWS(T)                                                                   \
+// NAME(const PARAMS<T>&), calling NAME_body: O3 as for rms_norm_rows, no contraction (each
+// product rounds before its sum, as eager's ops), one clone per vector width.
+#define FXRT_ROWS_KERNEL(NAME, PARAMS, T)                                                   \
   [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
-  static void rope_rows(const RopeRows<T>& p) {                                             \
-    rope_rows_body(p);                                                                      \
+  static void NAME(const PARAMS<T>& p) {                                                    \
+    NAME##_body(p);                                                                         \
   }
-FXRT_ROPE_ROWS(float)
-FXRT_ROPE_ROWS(c10::BFloat16)
-#undef FXRT_ROPE_ROWS
+FXRT_ROWS_KERNEL(rope_rows, RopeRows, float)
+FXRT_ROWS_KERNEL(rope_rows, RopeRows, c10::BFloat16)
 
 // The stride of dimension d of `t` read as broadcast to x's 4-D shape (right-aligned).
 inline int64_t broadcast_stride(const at::Tensor& t, int64_t d, int64_t x_dim) {
@@ -178,7 +178,6 @@ inline at::Tensor rotary_reference(
 // x's features as pairs (x[2i], x[2i+1]) times the complex frequencies (c[i], s[i]):
 // (x0 c - x1 s, x0 s + x1 c), each product rounded to float32, then the difference and the sum
 // (no fused multiply-adds), the result rounded to T once (bfloat16 x: widened, as x.float()).
-// O3 and no contraction as for rope_rows.
 template <class T>
 struct PairRows {
   const T* x;
@@ -212,14 +211,9 @@ template <class T>
   }
 }
 
-#define FXRT_PAIR_ROWS(T)                                                                   \
-  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
-  static void pair_rows(const PairRows<T>& p) {                                             \
-    pair_rows_body(p);                                                                      \
-  }
-FXRT_PAIR_ROWS(float)
-FXRT_PAIR_ROWS(c10::BFloat16)
-#undef FXRT_PAIR_ROWS
+FXRT_ROWS_KERNEL(pair_rows, PairRows, float)
+FXRT_ROWS_KERNEL(pair_rows, PairRows, c10::BFloat16)
+#undef FXRT_ROWS_KERNEL
 
 // The frequencies as real (c, s) pairs: a complex tensor's real view, or the pairs themselves.
 inline at::Tensor freq_pairs(const at::Tensor& freqs) {
@@ -251,13 +245,13 @@ inline at::Tensor run_pairs(const at::Tensor& x, const at::Tensor& f) {
     PairRows<T> p{
         x.const_data_ptr<T>(), f.const_data_ptr<float>(), out.mutable_data_ptr<T>(), {1, 1, 1},
         {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, x.size(-1) / 2};
-    const int64_t lead = x.dim() - 1, f_lead = f.dim() - 2;
+    const int64_t lead = x.dim() - 1;
     for (int64_t i = 0; i < lead; ++i) {
-      const int64_t slot = 3 - lead + i, fd = i - (lead - f_lead);
+      const int64_t slot = 3 - lead + i;
       p.sizes[slot] = x.size(i);
       p.xs[slot] = x.stride(i);
       p.os[slot] = out.stride(i);
-      p.fs[slot] = fd < 0 || f.size(fd) == 1 ? 0 : f.stride(fd);
+      p.fs[slot] = broadcast_stride(f, i, x.dim() + 1);  // f: one more trailing dim (the pair)
     }
     if (out.numel() > 0) {
       pair_rows(p);

@@ -45,7 +45,7 @@ import torch
 
 from ..ir.graph import Node, Ref
 from . import npu
-from .match import GraphIndex, is_contiguous, last_dim
+from .match import CAST, WIDENED, GraphIndex, is_contiguous, last_dim
 from .registry import Match, Target, View, register_pattern
 from .rotary import match_rotary, rotary_guard
 from .rotary_complex import match_rotary_complex, rotary_complex_guard
@@ -166,33 +166,17 @@ def _weighted(index: GraphIndex, anchor: Node) -> tuple[Any, Any, float, list[No
     return None
 
 
-_LOW = (torch.bfloat16,)  # dtypes models widen to float32 for the norm (the norm's casts)
-_CAST = "aten::_to_copy"
-
-
-def _cast(index: GraphIndex, x: Any, to: Any, only: bool = True) -> Node | None:
-    """The node that makes ``x`` as a plain dtype cast to ``to`` (one of a tuple), read only by
-    the chain when ``only``."""
-    node = (index.only_for if only else index.made_by)(x, _CAST)
-    if node is None or set(node.kwargs) - {"dtype", "device", "layout"} or len(node.args) != 1:
-        return None
-    meta, src = index.meta(x), index.meta(node.args[0])
-    if meta is None or src is None or meta.device != src.device or meta.dtype not in to:
-        return None
-    return node
-
-
 def _widened_core(index: GraphIndex, y: Any) -> tuple[Any, float, bool, list[Node]] | None:
     """``y`` = the norm of ``x.float()`` cast back to ``x``'s dtype (bfloat16), as Llama-family
     models write it: the core, on the low-precision ``x``, with the two casts."""
-    back = _cast(index, y, _LOW)
+    back = index.cast(y, WIDENED)
     if back is None:
         return None
     core = _rms_core(index, back.args[0])
     if core is None:
         return None
     x32, eps, outside, nodes = core
-    up = _cast(index, x32, (torch.float32,), only=False)
+    up = index.cast(x32, (torch.float32,), only=False)
     if up is None or index.meta(up.args[0]).dtype != index.meta(y).dtype:
         return None
     if index.uses[x32.id] != 2 or x32.id in index.returned:  # the square and the product
@@ -237,7 +221,7 @@ def _weight_follows(index: GraphIndex, node: Node) -> bool:
     readers = index.readers.get(v, [])
     if index.uses[v] != 1 or v in index.returned:
         return False
-    if readers[0].op.name == _CAST and _cast(index, Ref(readers[0].outputs[0]), _LOW, False):
+    if readers[0].op.name == CAST and index.cast(Ref(readers[0].outputs[0]), WIDENED, False):
         v = readers[0].outputs[0]
         readers = index.readers.get(v, [])
         if index.uses[v] != 1 or v in index.returned:

@@ -9,7 +9,9 @@ arguments. :class:`GraphIndex` answers the questions it asks at every step:
   intermediate the fused op may drop; a value the caller or another op reads keeps its op);
 * :meth:`GraphIndex.operands`: the two arguments of a commutative op in both orders, so
   ``w * y`` and ``y * w`` are one case;
-* :meth:`GraphIndex.number`: a Python number argument (``eps``, a scale).
+* :meth:`GraphIndex.number`: a Python number argument (``eps``, a scale);
+* :meth:`GraphIndex.cast`: the plain dtype cast that makes a value (the casts models write
+  around a chain they widen to float32).
 
 The index is built once per scan of the graph and is read-only; the stage rebuilds it after a
 rewrite (:mod:`fxrt.patterns.fuse`).
@@ -25,6 +27,9 @@ import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorMeta, is_contiguous
 from .registry import View
+
+CAST = "aten::_to_copy"
+WIDENED = (torch.bfloat16,)  # dtypes models widen to float32 around a chain, and cast back to
 
 
 class GraphIndex:
@@ -69,6 +74,17 @@ class GraphIndex:
             return None
         return self.made_by(x, *names)
 
+    def cast(self, x: Any, to: tuple[Any, ...], only: bool = True) -> Node | None:
+        """The node that makes ``x`` as a plain dtype cast (same device) to one of ``to``, read
+        only by the chain when ``only``."""
+        node = (self.only_for if only else self.made_by)(x, CAST)
+        if node is None or set(node.kwargs) - {"dtype", "device", "layout"} or len(node.args) != 1:
+            return None
+        meta, src = self.meta(x), self.meta(node.args[0])
+        if meta is None or src is None or meta.device != src.device or meta.dtype not in to:
+            return None
+        return node
+
     def operands(self, node: Node) -> Iterator[tuple[Any, Any]]:
         """``(a, b)`` and ``(b, a)`` for a commutative binary op's two arguments."""
         a, b = node.args[0], node.args[1]
@@ -112,4 +128,4 @@ def last_dim(meta: TensorMeta, dims: Any) -> bool:
     return dims[0] in (-1, len(meta.shape) - 1)
 
 
-__all__ = ["GraphIndex", "is_contiguous", "last_dim"]
+__all__ = ["CAST", "WIDENED", "GraphIndex", "is_contiguous", "last_dim"]

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 
 from ..ir.graph import Node, Ref
-from .match import GraphIndex, is_contiguous
+from .match import CAST, WIDENED, GraphIndex, is_contiguous
 from .registry import Match
 from .rotary import pair_place
 
 _MUL = "aten::mul.Tensor"
 _RESHAPES = ("aten::view", "aten::_unsafe_view", "aten::reshape")
-_CAST = "aten::_to_copy"
-_LOW = (torch.bfloat16,)
 # ops whose result is a function of their arguments alone: two such nodes with equal arguments
 # make equal values (a per-chain view of the frequency cache)
 _VIEWS = frozenset(
@@ -59,10 +57,10 @@ def _pairs_chain(index: GraphIndex, node: Node) -> dict[str, Any] | None:
         if pm.shape[-1] != 2 or tuple(pm.shape[:-2]) != tuple(xm.shape[:-1]):
             continue
         nodes, out = [*nodes, view, flat], flat.outputs[0]
-        up = _cast(index, x, (torch.float32,))
-        back = _sole_reader(index, out, _CAST) if up is not None else None
+        up = index.cast(x, (torch.float32,), only=False)
         low = index.meta(up.args[0]).dtype if up is not None else None
-        if back is not None and _cast(index, Ref(back.outputs[0]), (low,)) is back:
+        back = _sole_reader(index, out, CAST) if low in WIDENED else None
+        if back is not None and index.cast(Ref(back.outputs[0]), (low,), only=False) is back:
             x, out, nodes = up.args[0], back.outputs[0], [*nodes, up, back]
         if _only_inside(index, nodes, index.producer[out]):
             return dict(x=x, freqs=freqs, out=out, nodes=nodes)
@@ -76,23 +74,6 @@ def _sole_reader(index: GraphIndex, v: int, *names: str) -> Node | None:
     if index.uses[v] != 1 or v in index.returned or len(readers) != 1:
         return None
     return readers[0] if readers[0].op.name in names and not readers[0].multi else None
-
-
-def _cast(index: GraphIndex, x: Any, to: tuple[Any, ...]) -> Node | None:
-    """The plain cast that makes ``x`` with a dtype in ``to``, between float32 and a dtype of
-    ``_LOW``."""
-    node = index.made_by(x, _CAST)
-    if node is None or set(node.kwargs) - {"dtype", "device", "layout"} or len(node.args) != 1:
-        return None
-    meta, src = index.meta(x), index.meta(node.args[0])
-    if src is None or meta.device != src.device or meta.dtype not in to:
-        return None
-    pair = {meta.dtype, src.dtype}
-    return (
-        node
-        if len(pair) == 2 and torch.float32 in pair and pair <= {torch.float32, *_LOW}
-        else None
-    )
 
 
 def _complex_product(index: GraphIndex, node: Node) -> tuple[Any, Any, list[Node]] | None:
@@ -127,14 +108,9 @@ def _real_products(index: GraphIndex, node: Node) -> list[tuple[Any, Any, list[N
     nodes = list({id(n): n for n in (node, sub, add, *n0, *n1, *n2, *n3)}.values())
     found = []
     for x, f in {(ac[0][0], ac[1][0]), (ac[1][0], ac[0][0])}:
-        if x == f:
-            continue
-        want_im = sorted([sorted([(x, 1), (f, 0)]), sorted([(x, 0), (f, 1)])])
-        if (
-            sorted(ac) == sorted([(x, 0), (f, 0)])
-            and sorted(bs) == sorted([(x, 1), (f, 1)])
-            and sorted([sorted(im0), sorted(im1)]) == want_im
-        ):
+        sums = {frozenset({(x, 1), (f, 0)}), frozenset({(x, 0), (f, 1)})}
+        want = [{(x, 0), (f, 0)}, {(x, 1), (f, 1)}, sums]
+        if x != f and [set(ac), set(bs), {frozenset(im0), frozenset(im1)}] == want:
             found.append((Ref(x), Ref(f), nodes))
     return found
 
