@@ -91,6 +91,20 @@ inline int64_t broadcast_stride(const at::Tensor& t, int64_t d, int64_t x_dim) {
   return td < 0 || t.size(td) == 1 ? 0 : t.stride(td);
 }
 
+// x's leading dimensions (all but the last) right-aligned into the 3 slots of a row kernel's
+// parameters: their sizes and x's and out's strides, then each operand's through `operands`.
+template <class P, class F>
+inline void lead_dims(const at::Tensor& x, const at::Tensor& out, P& p, F&& operands) {
+  const int64_t lead = x.dim() - 1;
+  for (int64_t i = 0; i < lead; ++i) {
+    const int64_t slot = 3 - lead + i;
+    p.sizes[slot] = x.size(i);
+    p.xs[slot] = x.stride(i);
+    p.os[slot] = out.stride(i);
+    operands(slot, i);
+  }
+}
+
 inline bool broadcasts_to(const at::Tensor& t, const at::Tensor& x, int64_t rot) {
   if (t.dim() > x.dim() || t.size(-1) != rot || (rot > 1 && t.stride(-1) != 1)) {
     return false;
@@ -135,15 +149,10 @@ inline at::Tensor run_rotary(
         x.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(),
         out.mutable_data_ptr<T>(), {1, 1, 1}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0},
         x.size(-1), rot, inter};
-    const int64_t lead = x.dim() - 1;
-    for (int64_t i = 0; i < lead; ++i) {
-      const int64_t slot = 3 - lead + i;
-      p.sizes[slot] = x.size(i);
-      p.xs[slot] = x.stride(i);
-      p.os[slot] = out.stride(i);
+    lead_dims(x, out, p, [&](int64_t slot, int64_t i) {
       p.cs[slot] = broadcast_stride(cos, i, x.dim());
       p.ss[slot] = broadcast_stride(sin, i, x.dim());
-    }
+    });
     if (out.numel() > 0) {
       rope_rows(p);
     }
@@ -245,14 +254,9 @@ inline at::Tensor run_pairs(const at::Tensor& x, const at::Tensor& f) {
     PairRows<T> p{
         x.const_data_ptr<T>(), f.const_data_ptr<float>(), out.mutable_data_ptr<T>(), {1, 1, 1},
         {0, 0, 0}, {0, 0, 0}, {0, 0, 0}, x.size(-1) / 2};
-    const int64_t lead = x.dim() - 1;
-    for (int64_t i = 0; i < lead; ++i) {
-      const int64_t slot = 3 - lead + i;
-      p.sizes[slot] = x.size(i);
-      p.xs[slot] = x.stride(i);
-      p.os[slot] = out.stride(i);
+    lead_dims(x, out, p, [&](int64_t slot, int64_t i) {
       p.fs[slot] = broadcast_stride(f, i, x.dim() + 1);  // f: one more trailing dim (the pair)
-    }
+    });
     if (out.numel() > 0) {
       pair_rows(p);
     }
