@@ -209,7 +209,16 @@ def _sdpa_inputs(b, h, hk, lq, s, d, layout):
 
 @pytest.mark.parametrize(
     "b, h, hk, lq, s, d",
-    [(1, 4, 4, 16, 16, 16), (2, 4, 2, 7, 9, 8), (1, 8, 1, 1, 33, 20), (1, 2, 2, 40, 17, 64)],
+    [
+        (1, 4, 4, 16, 16, 16),
+        (2, 4, 2, 7, 9, 8),
+        (1, 8, 1, 1, 33, 20),
+        (1, 2, 2, 40, 17, 64),
+        (1, 8, 2, 1, 77, 64),  # a decoding step: rows' dot products, a group's heads as rows
+        (2, 4, 2, 3, 50, 32),  # a few queries: rows' dot products, one head at a time
+        (1, 4, 2, 130, 131, 16),  # a prompt: keys laid out in tiles
+        (1, 2, 1, 1, 600, 128),
+    ],
 )
 @pytest.mark.parametrize("layout", ["dense", "transposed"])
 @pytest.mark.parametrize("causal, mask", [(False, None), (True, None), (False, "2d"), (True, "4d")])
@@ -241,10 +250,16 @@ def test_attention_outside_the_fast_path_is_eagers(executor):
     cg = compiled(fn, (q, k, v, mask), executor)
     for got, want in zip(cg(q, k, v, mask), fn(q, k, v, mask)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    big = _sdpa_inputs(1, 4, 4, 128, 128, 64, "dense")  # above kSmallAttention: ATen's kernel
+    # above kSerialWork with more than kSerialThreads intra-op threads: ATen's kernel
+    big = _sdpa_inputs(1, 4, 4, 128, 128, 64, "dense")
     cg = compiled(fn, (*big, None), executor)
-    for got, want in zip(cg(*big, None), fn(*big, None)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for got, want in zip(cg(*big, None), fn(*big, None)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_attention_under_autograd_is_atens(executor):

@@ -19,6 +19,7 @@
 
 #include "inline_ops.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -36,18 +37,22 @@
 
 namespace fxrt {
 
-constexpr int64_t kSmallAttention = int64_t{1} << 18;  // B * H * L * S * D multiply-adds
+// The fast path's keys and values (Sp * Dp floats each) are scratch; beyond these sizes, ATen's.
+constexpr int64_t kLargestKeys = int64_t{1} << 21;
+// Above these multiply-adds (B * H * L * S * D), with more than kSerialThreads intra-op threads,
+// ATen's kernel, which shares the heads among them, is faster than this one, which runs on the
+// calling thread (about twice ATen's speed on one thread, measured from 16 to 2048 keys).
+constexpr int64_t kSerialWork = int64_t{1} << 18;
+constexpr int64_t kSerialThreads = 2;
 
 namespace attention_detail {
 
 struct Head {
   const float* q;  // row i at q + i * q_row
-  const float* k;
-  const float* v;
   const float* mask;  // element (i, j) at mask + i * mask_row + j * mask_col, or nullptr
   float* out;  // row i at out + i * out_row
   float* lse;  // element i at lse + i * lse_row
-  int64_t q_row, k_row, v_row, mask_row, mask_col, out_row, lse_row;
+  int64_t q_row, mask_row, mask_col, out_row, lse_row;
 };
 
 constexpr int64_t kLanes = 16;  // the width of the blocks whose sums stay in vector registers
@@ -94,33 +99,115 @@ inline int64_t padded(int64_t n) {
 }
 
 constexpr int64_t kRows = 4;  // queries computed together: independent sums hide FMA latency
+constexpr int64_t kSums = 8;  // vector sums a step of the values' weighted sum keeps in registers
 
-// One head: L queries over S keys of D features. Queries go R at a time, keys in blocks of kLanes
-// (scores) and features in blocks of kLanes (the weighted sum of values), each block's sums held
-// in registers: R independent sums per step, so the multiply-adds' latency overlaps. `kt` (D x Sp,
-// the keys transposed), `vp` (S x Dp, the values) and `p` (R x Sp) are scratch, zero where padded
-// (Sp and Dp are S and D rounded up to kLanes). False when a row has no key left (ATen's call then
-// computes the whole problem). Inlined into run_head, compiled for each vector width.
+// One key/value head as the query heads that read it see it. `kt`: the keys in tiles of kLanes
+// keys, tile t at kt + t * D * kLanes holding feature d of its keys at d * kLanes (so a block of
+// scores reads contiguous lanes, and writing a tile touches D cache lines, not D pages as one
+// transposed D x S matrix would for long S), zero past the last key; or nullptr, the scores then
+// being dot products of rows (row j at k + j * k_row), as for a decoding step's few queries, for
+// which laying the keys out would cost more than the scores. `v`: row j at v + j * v_row,
+// kLanes-padded rows when D is not a multiple of kLanes (a copy, zero where padded).
+struct Keys {
+  const float* kt;
+  const float* k;
+  int64_t k_row;
+  const float* v;
+  int64_t v_row;
+};
+
+// Lays out one key/value head (S keys of D features, rows at k_row and v_row) for L queries: in
+// `kt` (Sp * D floats) unless the scores are dot products of rows (fewer than kRows queries, D a
+// multiple of kLanes) and, when its rows need padding, in `vp` (S * Dp floats).
+inline bool tiled_keys(int64_t L, int64_t D) {
+  return D % kLanes != 0 || L >= kRows;
+}
+
+inline Keys lay_out_keys(
+    const float* k,
+    const float* v,
+    int64_t k_row,
+    int64_t v_row,
+    int64_t L,
+    int64_t S,
+    int64_t D,
+    float* kt,
+    float* vp) {
+  if (!tiled_keys(L, D)) {
+    return {nullptr, k, k_row, v, v_row};
+  }
+  for (int64_t j = 0; j < S; ++j) {
+    const float* src = k + j * k_row;
+    float* dst = kt + (j / kLanes) * D * kLanes + j % kLanes;
+    for (int64_t d = 0; d < D; ++d) {
+      dst[d * kLanes] = src[d];
+    }
+  }
+  for (int64_t j = S; j < padded(S); ++j) {
+    float* dst = kt + (j / kLanes) * D * kLanes + j % kLanes;
+    for (int64_t d = 0; d < D; ++d) {
+      dst[d * kLanes] = 0.0f;
+    }
+  }
+  if (D % kLanes == 0) {
+    return {kt, k, k_row, v, v_row};
+  }
+  const int64_t Dp = padded(D);
+  for (int64_t j = 0; j < S; ++j) {
+    std::memcpy(vp + j * Dp, v + j * v_row, sizeof(float) * D);
+    std::fill(vp + j * Dp + D, vp + (j + 1) * Dp, 0.0f);
+  }
+  return {kt, k, k_row, vp, Dp};
+}
+
+// The sum of x's lanes, halves added pairwise (each level's adds independent).
+[[gnu::always_inline]] inline float sum_lanes(Lanes x) {
+  using Half = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+  using Quarter = float __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+  Half lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  const Half h = lo + hi;
+  Quarter a, b;
+  std::memcpy(&a, &h, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof(a), sizeof(b));
+  const Quarter q = a + b;
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// The scores of keys j0 .. j0 + kLanes - 1 (those below n) for one query row, as dot products
+// of rows (D a multiple of kLanes); lanes from n on are left for the caller's -inf.
+[[gnu::always_inline]] inline Lanes row_scores(
+    const float* q, const Keys& kv, int64_t j0, int64_t n, int64_t D) {
+  Lanes scores = {};
+  const int64_t last = std::min(kLanes, n - j0);
+  for (int64_t l = 0; l < last; ++l) {
+    const float* k = kv.k + (j0 + l) * kv.k_row;
+    Lanes acc = load_lanes(q) * load_lanes(k);
+    for (int64_t d0 = kLanes; d0 < D; d0 += kLanes) {
+      acc += load_lanes(q + d0) * load_lanes(k + d0);
+    }
+    scores[l] = sum_lanes(acc);
+  }
+  return scores;
+}
+
+// One query head: L queries over S keys of D features. Queries go R at a time, keys in blocks of
+// kLanes (scores) and features in blocks of kLanes (the weighted sum of values), each block's sums
+// held in registers: R independent sums per step, so the multiply-adds' latency overlaps. `p`
+// (R x Sp) is scratch. False when a row has no key left (ATen's call then computes the whole
+// problem). Inlined into run_head, compiled for each vector width.
 template <int64_t R>
 [[gnu::always_inline]] inline bool head_rows(
     const Head& h,
+    const Keys& kv,
     int64_t L,
     int64_t S,
     int64_t D,
     float scale,
     bool causal,
-    float* kt,
-    float* vp,
     float* p) {
-  const int64_t Sp = padded(S), Dp = padded(D);
-  for (int64_t j = 0; j < S; ++j) {
-    const float* k = h.k + j * h.k_row;
-    const float* v = h.v + j * h.v_row;
-    for (int64_t d = 0; d < D; ++d) {
-      kt[d * Sp + j] = k[d];
-      vp[j * Dp + d] = v[d];
-    }
-  }
+  const int64_t Sp = padded(S);
   for (int64_t i0 = 0; i0 < L; i0 += R) {
     const int64_t rows = std::min(R, L - i0);
     // Past the last query, a block's spare rows repeat it; their results are not stored.
@@ -139,10 +226,18 @@ template <int64_t R>
     top.fill(kNegInf);
     for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
       std::array<Lanes, R> acc{};
-      for (int64_t d = 0; d < D; ++d) {
-        const Lanes k = load_lanes(kt + d * Sp + j0);
+      if (kv.kt != nullptr) {
+        const float* tile = kv.kt + j0 * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const Lanes k = load_lanes(tile + d * kLanes);
+#pragma GCC unroll 4  // kRows: the sums in registers (-O2 keeps a loop over them in memory)
+          for (int64_t r = 0; r < R; ++r) {
+            acc[r] += q[r][d] * k;
+          }
+        }
+      } else {
         for (int64_t r = 0; r < R; ++r) {
-          acc[r] += q[r][d] * k;
+          acc[r] = row_scores(q[r], kv, j0, n[r], D);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -187,17 +282,31 @@ template <int64_t R>
     for (int64_t r = 0; r < R; ++r) {
       w[r] = p + (r < rows ? r : 0) * Sp;
     }
-    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-      std::array<Lanes, R> acc{};
+    // C feature blocks per pass over the values (R * C sums in registers), each value row read
+    // once per pass: one pass for D up to C * kLanes.
+    constexpr int64_t C = kSums / R;
+    for (int64_t d0 = 0; d0 < D; d0 += C * kLanes) {
+      const int64_t blocks = std::min(C, (D - d0 + kLanes - 1) / kLanes);
+      std::array<std::array<Lanes, C>, R> acc{};
       for (int64_t j = 0; j < keys; ++j) {
-        const Lanes v = load_lanes(vp + j * Dp + d0);
-        for (int64_t r = 0; r < R; ++r) {
-          acc[r] += w[r][j] * v;
+        const float* vj = kv.v + j * kv.v_row + d0;
+#pragma GCC unroll 8  // kSums
+        for (int64_t c = 0; c < C; ++c) {
+          if (c < blocks) {
+            const Lanes v = load_lanes(vj + c * kLanes);
+#pragma GCC unroll 4
+            for (int64_t r = 0; r < R; ++r) {
+              acc[r][c] += w[r][j] * v;
+            }
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const Lanes o = acc[r] * inv[r];
-        std::memcpy(h.out + (i0 + r) * h.out_row + d0, &o, sizeof(float) * std::min(kLanes, D - d0));
+        for (int64_t c = 0; c < blocks; ++c) {
+          const int64_t d = d0 + c * kLanes;
+          const Lanes o = acc[r][c] * inv[r];
+          std::memcpy(h.out + (i0 + r) * h.out_row + d, &o, sizeof(float) * std::min(kLanes, D - d));
+        }
       }
     }
   }
@@ -209,16 +318,15 @@ template <int64_t R>
 // at load time.
 [[gnu::target_clones("avx512f", "avx2", "default")]] static bool run_head(
     const Head& h,
+    const Keys& kv,
     int64_t L,
     int64_t S,
     int64_t D,
     float scale,
     bool causal,
-    float* kt,
-    float* vp,
     float* p) {
-  return L >= kRows ? head_rows<kRows>(h, L, S, D, scale, causal, kt, vp, p)
-                    : head_rows<1>(h, L, S, D, scale, causal, kt, vp, p);
+  return L >= kRows ? head_rows<kRows>(h, kv, L, S, D, scale, causal, p)
+                    : head_rows<1>(h, kv, L, S, D, scale, causal, p);
 }
 
 inline bool plain_f32(const at::Tensor& t) {
@@ -246,7 +354,10 @@ inline bool small_attention(
   if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) {
     return false;
   }
-  if (B * H * L * S * D > kSmallAttention) {
+  if (padded(S) * padded(D) > kLargestKeys) {
+    return false;
+  }
+  if (B * H * L * S * D > kSerialWork && at::get_num_threads() > kSerialThreads) {
     return false;
   }
   if (mask.has_value() && mask->defined()) {
@@ -288,31 +399,47 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
     if (attn_mask.has_value() && attn_mask->defined()) {
       mask = attn_mask->expand({B, H, L, S});
     }
-    const int64_t Sp = padded(S), Dp = padded(D);
-    // Zeros; on the stack up to 16 KiB (every problem of the client models' sizes).
-    c10::SmallVector<float, 4096> scratch(
-        static_cast<size_t>(D * Sp + S * Dp + kRows * Sp), 0.0f);
+    const int64_t Sp = padded(S), Dp = padded(D), G = H / Hk;
+    const float* qd = query.const_data_ptr<float>();
+    const float* kd = key.const_data_ptr<float>();
+    const float* vd = value.const_data_ptr<float>();
+    const float* md = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+    float* od = out.mutable_data_ptr<float>();
+    float* ld = lse.mutable_data_ptr<float>();
+    // Scratch: on the stack up to 16 KiB (the client models' sizes), every element written
+    // before it is read.
+    c10::SmallVector<float, 4096> scratch;
+    const int64_t kt_size = tiled_keys(L, D) ? Sp * D : 0;
+    const int64_t vp_size = D % kLanes == 0 ? 0 : S * Dp;
+    scratch.resize_for_overwrite(static_cast<size_t>(kt_size + vp_size + kRows * Sp));
+    float* kt = scratch.data();
+    float* vp = kt + kt_size;
+    float* p = vp + vp_size;
+    // One query (a decoding step) without a causal cut: a group's G query heads are the rows of
+    // one problem over its keys.
+    const bool fold = L == 1 && !is_causal;
+    const int64_t row = fold ? 1 : 2;  // the dimension a row steps along
     bool ok = true;
     for (int64_t b = 0; b < B && ok; ++b) {
-      for (int64_t hq = 0; hq < H && ok; ++hq) {
-        const int64_t hk = hq / (H / Hk);
-        Head h{
-            query.const_data_ptr<float>() + b * query.stride(0) + hq * query.stride(1),
-            key.const_data_ptr<float>() + b * key.stride(0) + hk * key.stride(1),
-            value.const_data_ptr<float>() + b * value.stride(0) + hk * value.stride(1),
-            mask.defined() ? mask.const_data_ptr<float>() + b * mask.stride(0) + hq * mask.stride(1)
-                           : nullptr,
-            out.mutable_data_ptr<float>() + b * out.stride(0) + hq * out.stride(1),
-            lse.mutable_data_ptr<float>() + b * L * H + hq,
-            query.stride(2),
-            key.stride(2),
-            value.stride(2),
-            mask.defined() ? mask.stride(2) : 0,
-            mask.defined() ? mask.stride(3) : 0,
-            out.stride(2),
-            H};
-        float* kt = scratch.data();
-        ok = run_head(h, L, S, D, s, is_causal, kt, kt + D * Sp, kt + D * Sp + S * Dp);
+      for (int64_t hk = 0; hk < Hk && ok; ++hk) {
+        // Each key/value head laid out once for the G query heads that read it.
+        const Keys kv = lay_out_keys(
+            kd + b * key.stride(0) + hk * key.stride(1),
+            vd + b * value.stride(0) + hk * value.stride(1), key.stride(2), value.stride(2), L,
+            S, D, kt, vp);
+        for (int64_t hq = hk * G; hq < (hk + 1) * G && ok; hq += fold ? G : 1) {
+          const Head h{
+              qd + b * query.stride(0) + hq * query.stride(1),
+              md != nullptr ? md + b * mask.stride(0) + hq * mask.stride(1) : nullptr,
+              od + b * out.stride(0) + hq * out.stride(1),
+              ld + b * L * H + hq,
+              query.stride(row),
+              md != nullptr ? mask.stride(row) : 0,
+              md != nullptr ? mask.stride(3) : 0,
+              out.stride(row),
+              fold ? 1 : H};
+          ok = run_head(h, kv, fold ? G : L, S, D, s, is_causal, p);
+        }
       }
     }
     if (ok) {
