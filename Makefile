@@ -60,11 +60,12 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/inductor.py --rounds 41 --clock cpu --python-loop
 	$(PY) benchmarks/clients.py --rounds 41 --gen-rounds 5 --clock cpu
 	$(PY) benchmarks/llm.py --rounds 11 --no-generate
-	$(PY) benchmarks/llm.py --models llama,qwen2 --shapes 1x16 --rounds 5 --ablate none --gen-rounds 3
+	$(PY) benchmarks/llm.py --models llama,qwen2 --shapes 1x16 --rounds 5 --ablate none --gen-rounds 5
 	$(PY) benchmarks/deploy.py --rounds 15 --clock cpu
 	$(PY) benchmarks/streams.py --rounds 15
 	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
 	$(PY) benchmarks/threads.py --rounds 5
+	$(PY) benchmarks/attention.py --rounds 11
 
 clean:
 	rm -rf build dist *.egg-info fxrt/_speedups/*.so fxrt/_speedups/*.cpp

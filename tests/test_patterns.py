@@ -40,6 +40,9 @@ def rms_eager(x, w=None, eps=1e-6, offset=0.0, outside=False):
     return y if w is None else y * (w + offset if offset else w)
 
 
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
 def rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], -1)
@@ -122,6 +125,39 @@ def test_gated_op_within_bound_of_eager(activation):
     )
     with pytest.raises(RuntimeError, match="activation must be 'silu' or 'gelu_tanh'"):
         own("gated")(gate, up, "relu")
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    "b, h, hk, lq, s, d, causal",
+    [
+        (1, 4, 2, 20, 20, 16, True),  # a prompt: keys in tiles
+        (1, 4, 2, 20, 20, 16, False),
+        (1, 8, 2, 1, 40, 64, False),  # a decoding step: a group's heads as the rows
+        (2, 4, 2, 3, 50, 32, False),  # a few queries: rows' dot products
+        (1, 4, 4, 1, 33, 20, False),  # features not a multiple of the vector width
+    ],
+)
+@pytest.mark.parametrize("operand", ["q", "k", "v"])
+def test_attention_op_within_bound_of_eager(b, h, hk, lq, s, d, causal, operand):
+    """The bound docs/numerics.md states: 2e-6 of the largest value's magnitude (or of 1),
+    NaN and Inf where eager has them."""
+    g = torch.Generator().manual_seed(2)
+    base = {
+        "q": torch.randn(b, h, lq, d, generator=g),
+        "k": torch.randn(b, hk, s, d, generator=g),
+        "v": torch.randn(b, hk, s, d, generator=g),
+    }
+    shape = base[operand].shape
+    variants = adversarial((*shape[:-2], max(shape[-2], 3), shape[-1]))
+    for x in (x[..., : shape[-2], :] for x in variants):
+        q, k, v = (x if name == operand else t for name, t in base.items())
+        expected = FLASH(q, k, v, 0.0, causal)[0]
+        got = own("attention")(q, k, v, 0.0, causal)[0]
+        finite = v[v.isfinite()].abs().max().item()
+        torch.testing.assert_close(
+            got, expected, rtol=0, atol=2e-6 * max(finite, 1.0), equal_nan=True
+        )
 
 
 @needs_ops

@@ -2,18 +2,22 @@
 //                 *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)
 //
 // aten::_scaled_dot_product_flash_attention_for_cpu (what scaled_dot_product_attention runs on the
-// CPU), for the small problems of host-bound inference: ATen's flash kernel allocates its blocks'
-// buffers and goes through a parallel loop and two BLAS calls per block, about 20 us on a
-// 4-head 16x16 problem whose math takes 1-2 us. Up to kSmallAttention multiply-adds, on float32
-// CPU tensors whose last dimension is dense, with no dropout and an additive float mask or none,
-// fxrt::attention computes each head directly: scores = scale * q k^T (+ mask; keys after the
-// query's position dropped when causal, top-left aligned as ATen's), their softmax, its product
-// with v. Results and layouts are ATen's (the output laid out as the query, logsumexp [B, H, L] as
-// [B, L, H]); values differ from ATen's in the last bits (ATen's exponential is a
-// vectorized approximation, so is this one, within a few float32 ulps). Grouped-query attention
-// (fewer key/value heads than query heads) maps query head h to key/value head h / (H / Hk), as
-// ATen does. Anything else, or a row whose every key is masked (ATen defines its output as zeros),
-// is ATen's own call.
+// CPU) on the calling thread: ATen's flash kernel allocates its blocks' buffers and goes through a
+// parallel loop and two BLAS calls per block, about 20 us on a 4-head 16x16 problem whose math
+// takes 1-2 us, and on one thread runs at about half this kernel's speed from 16 to 512 keys. On
+// float32 CPU tensors whose last dimension is dense, with no dropout and an additive float mask or
+// none, fxrt::attention computes each head directly: scores = scale * q k^T (+ mask; keys after
+// the query's position dropped when causal, top-left aligned as ATen's), their softmax, its
+// product with v. Each key/value head is laid out once for the query heads that read it: for a
+// prompt, its keys in tiles of 16 (one vector of scores per feature, four queries at a time); for
+// a decoding step's few queries, which would not repay that, the scores are dot products of rows,
+// and one query's heads of a group are the rows of one problem. Results and layouts are ATen's
+// (the output laid out as the query, logsumexp [B, H, L] as [B, L, H]); values differ from ATen's
+// in the last bits (ATen's exponential is a vectorized approximation, so is this one, within a
+// few float32 ulps; docs/numerics.md states the bound). Grouped-query attention (fewer key/value
+// heads than query heads) maps query head h to key/value head h / (H / Hk), as ATen does.
+// Anything else, a row whose every key is masked (ATen defines its output as zeros), or a large
+// problem with more than kSerialThreads intra-op threads to share its heads, is ATen's own call.
 
 #pragma once
 
@@ -73,8 +77,9 @@ constexpr Lanes kNegInf = {-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kIn
   return v;
 }
 
-// e^x for x <= 0, lane by lane (x below -87, -inf included, gives 0): Cephes' expf polynomial
-// after reducing by ln 2, within a few float32 ulps.
+// e^x for x <= 0, lane by lane (x below -87, -inf included, gives 0; NaN stays NaN, so that a NaN
+// score makes its row NaN, as eager's softmax does): Cephes' expf polynomial after reducing by
+// ln 2, within a few float32 ulps.
 [[gnu::always_inline]] inline Lanes exp_nonpositive(Lanes x) {
   const Lanes round = x * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23: to nearest
   const Lanes n = round - 12582912.0f;
@@ -89,7 +94,7 @@ constexpr Lanes kNegInf = {-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kIn
   IntLanes bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += __builtin_convertvector(n, IntLanes) << 23;
-  bits &= (x > -87.0f);  // all ones where kept
+  bits &= (x > -87.0f) | (x != x);  // all ones where kept
   std::memcpy(&p, &bits, sizeof(p));
   return p;
 }
