@@ -121,13 +121,14 @@ struct Keys {
   int64_t v_row;
 };
 
-// Lays out one key/value head (S keys of D features, rows at k_row and v_row) for L queries: in
-// `kt` (Sp * D floats) unless the scores are dot products of rows (fewer than kRows queries, D a
-// multiple of kLanes) and, when its rows need padding, in `vp` (S * Dp floats).
+// Whether L queries per head read the keys from tiles: a prompt's (kRows queries or more), and
+// any whose features are not a multiple of kLanes (rows' dot products load whole vectors).
 inline bool tiled_keys(int64_t L, int64_t D) {
   return D % kLanes != 0 || L >= kRows;
 }
 
+// Lays out one key/value head (S keys of D features, rows at k_row and v_row) for L queries: in
+// `kt` (Sp * D floats) when tiled_keys, and, when its rows need padding, in `vp` (S * Dp floats).
 inline Keys lay_out_keys(
     const float* k,
     const float* v,
