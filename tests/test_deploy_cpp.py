@@ -798,3 +798,25 @@ def test_strided_constants_load_in_both_faces(runner: Any, tmp_path: Path) -> No
     torch.testing.assert_close(cpp, model(x))
     for pure_python in (False, True):
         torch.testing.assert_close(_loaded(path, pure_python)(x), model(x))
+
+
+class _SoftCapped(torch.nn.Module):
+    # Gemma-2's soft cap of attention scores and logits: c * tanh(x / c), run by fxrt::tanh.
+    def forward(self, x):
+        return torch.tanh(x / 30.0) * 30.0, torch.tanh(x.t() / 50.0)
+
+
+def test_tanh_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """A package whose graph runs fxrt::tanh names it, and fxrt.load (both loops) and the C++
+    runtime give eager's values within its bound (docs/numerics.md: 1 ulp of tanh, here scaled)."""
+    model = _SoftCapped()
+    path = store / "soft_capped.fxrt"
+    fxrt.export(model, (torch.randn(16, 24),)).save(path)
+    assert "fxrt::tanh" in fxrt.load(path).manifest["ops"]
+    for x in (torch.randn(16, 24) * 100, torch.randn(16, 24)):
+        eager = model(x)
+        outs = [_loaded(path, p)(x) for p in (False, True)]
+        cpp = _run_cpp(runner, path, [x], tmp_path)
+        for out in (cpp, *outs):
+            for got, want in zip(out, eager):
+                torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-7)

@@ -275,3 +275,72 @@ def test_attention_under_autograd_is_atens(executor):
     want.sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(grads, [t.grad for t in (q, k, v)])
+
+
+# --- fxrt::tanh --------------------------------------------------------------------------------
+
+
+def assert_within_ulps(got, want, ulps):
+    """Equal NaN positions, and every other element at most ``ulps`` float32 steps from eager's
+    (signed zeros, infinities and denormals included)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    steps = got[keep].view(torch.int32).long() - want[keep].view(torch.int32).long()
+    assert steps.abs().max().item() <= ulps if steps.numel() else True
+
+
+def special_values():
+    x = torch.randn(64) * 30
+    x[:12] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-40, 1e-45, 9.0,
+         -9.0, 1e30, 4e-4]
+    )  # fmt: skip
+    return x
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 33), (2, 4, 64, 64)])
+def test_tanh_within_one_ulp_of_eager(executor, shape):
+    """The bound docs/numerics.md states, through the call and the arena's out= form."""
+
+    def fn(x):
+        return torch.tanh(x), torch.tanh(x * 2.0) * 4.0  # an output; an intermediate (exact * 4)
+
+    x = torch.randn(shape) * 3
+    cg = compiled(fn, (x,), executor)
+    listing = str(cg.program)
+    assert "fxrt::tanh(" in listing and "via fxrt::tanh.out" in listing
+    for args in (
+        (x,),
+        perturbed(x),
+        (special_values().expand(*shape[:-1], 64)[..., : shape[-1]].contiguous(),),
+    ):
+        for got, want in zip(cg(*args), fn(*args)):
+            assert_within_ulps(got, want, 1)
+
+
+def test_tanh_loops_agree_bit_for_bit():
+    x = torch.randn(3, 50) * 4
+    got = [compiled(torch.tanh, (x,), ex)(x) for ex in ("python", "cpp")]
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)
+
+
+def test_tanh_outside_the_fast_path_is_eagers(executor):
+    """Strided input, autograd, and a large input with more than one intra-op thread: the ATen
+    op itself."""
+    x = torch.randn(8, 6)
+    cg = compiled(lambda t: torch.tanh(t.t()), (x,), executor)
+    torch.testing.assert_close(cg(x), torch.tanh(x.t()), rtol=0, atol=0)
+    big = torch.randn(40000)
+    cg = compiled(torch.tanh, (big,), executor)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.testing.assert_close(cg(big), torch.tanh(big), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(threads)
+    w, w_eager = (torch.randn(5, generator=torch.Generator().manual_seed(3)) for _ in "ab")
+    w.requires_grad_(), w_eager.requires_grad_()
+    torch.ops.fxrt.tanh(w).sum().backward()
+    torch.tanh(w_eager).sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad, rtol=0, atol=0)

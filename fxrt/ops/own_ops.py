@@ -13,16 +13,23 @@ tensor subclass), so nothing but the fast path differs from eager.
   those of ATen's kernel, which eager itself runs when oneDNN is off; they differ from oneDNN's
   in the last bit of some elements.
 * ``fxrt::attention``: ``aten::_scaled_dot_product_flash_attention_for_cpu`` (what
-  ``scaled_dot_product_attention`` runs on the CPU) on float32 problems of at most 2**18
-  multiply-adds, with no dropout: each head computed directly (scores, softmax, product with the
-  values) instead of ATen's blocked flash kernel, whose buffers and parallel loop cost about
-  20 us at these sizes (4 heads of 16x16: 2-3 us against 21 us). Same outputs and layouts; values
-  within float32 rounding of ATen's (both exponentials are vectorized approximations).
+  ``scaled_dot_product_attention`` runs on the CPU) on float32 problems with no dropout: each
+  head computed directly on the calling thread (scores, softmax, product with the values, each
+  key/value head laid out once for the query heads that read it) instead of ATen's blocked flash
+  kernel, whose buffers and parallel loop cost about 20 us on small problems and which runs at
+  about half its speed on one thread (``python benchmarks/attention.py``). Same outputs and
+  layouts; values within float32 rounding of ATen's (both exponentials are vectorized
+  approximations). Above 2**18 multiply-adds with more than two intra-op threads, ATen's kernel.
 * ``fxrt::layer_norm``: ``aten::native_layer_norm`` when the graph uses only its first result
   (the normalized tensor; inference never reads the means and inverse standard deviations it
   also allocates and reshapes). On float32 contiguous CPU tensors it runs the same CPU kernel
   into one result, or into the arena through its ``out=`` overload; results are eager's, bit for
   bit.
+* ``fxrt::tanh``: ``aten::tanh`` on a contiguous float32 CPU tensor computes with SLEEF's
+  vectorized ``tanhf`` (what Inductor's CPU kernels call; libtorch exports it) instead of MKL's
+  vector math, which takes 2.7 ns an element on AMD CPUs (64K elements: 76 us against 180 us).
+  Within 1 ulp of eager's results; NaN, +-inf, -0 and denormals are eager's. With more than one
+  intra-op thread, inputs above 32768 elements are ``aten::tanh``'s (parallel).
 
 :func:`use_own_ops` rewrites a graph's nodes to these ops. It is a stage of the compile pipeline
 (:mod:`fxrt.pipeline`) that runs last among the graph rewrites, after the user's post pass, so
@@ -45,6 +52,7 @@ OWN_OPS: dict[str, str] = {
     "aten::gelu": "gelu",
     "aten::native_layer_norm": "layer_norm",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "aten::tanh": "tanh",
 }
 # fxrt ops with all the results of their ATen op.
 _ALL_RESULTS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})
