@@ -94,7 +94,7 @@ constexpr Lanes kNegInf = {-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kIn
   IntLanes bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += __builtin_convertvector(n, IntLanes) << 23;
-  bits &= (x > -87.0f) | (x != x);  // all ones where kept
+  bits &= ~(x <= -87.0f);  // all ones where kept (NaN compares false: kept)
   std::memcpy(&p, &bits, sizeof(p));
   return p;
 }

@@ -209,7 +209,7 @@ using Rows = void (*)(const float*, float*, int64_t);
 
 #if defined(__x86_64__)
 // Whole vectors straight through; the tail through a zero-padded vector.
-#define FXRT_SLEEF_TANH(NAME, TARGET, VEC, WIDTH, LOAD, STORE, FN)       \
+#define FXRT_SLEEF_TANH(NAME, TARGET, WIDTH, LOAD, STORE, FN)            \
   [[gnu::target(TARGET)]] static void NAME(const float* x, float* y, int64_t n) { \
     int64_t i = 0;                                                         \
     for (; i + WIDTH <= n; i += WIDTH) {                                   \
@@ -224,9 +224,9 @@ using Rows = void (*)(const float*, float*, int64_t);
   }
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-FXRT_SLEEF_TANH(tanh_avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps,
+FXRT_SLEEF_TANH(tanh_avx512, "avx512f", 16, _mm512_loadu_ps, _mm512_storeu_ps,
                 Sleef_tanhf16_u10avx512f)
-FXRT_SLEEF_TANH(tanh_avx2, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps,
+FXRT_SLEEF_TANH(tanh_avx2, "avx2,fma", 8, _mm256_loadu_ps, _mm256_storeu_ps,
                 Sleef_tanhf8_u10avx2)
 #pragma GCC diagnostic pop
 #undef FXRT_SLEEF_TANH

@@ -2,8 +2,9 @@
 time than the math.
 
 The compiled extension (``fxrt/_speedups``) registers them with the dispatcher when it loads,
-as ``fxrt::*`` ops. Each has its ATen op's schema and computes what the ATen op computes with one
-of ATen's own CPU kernels; it calls the ATen op itself whenever its fast path does not apply
+as ``fxrt::*`` ops. Each has its ATen op's schema and computes what the ATen op computes, with
+one of ATen's own CPU kernels or a vectorized one of its own (within a stated bound of eager's
+values, docs/numerics.md); it calls the ATen op itself whenever its fast path does not apply
 (another device or dtype, a large or non-contiguous input, autograd recording, a dispatch mode, a
 tensor subclass), so nothing but the fast path differs from eager.
 
