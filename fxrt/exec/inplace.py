@@ -40,8 +40,10 @@ from ..ops.aliasing import output_aliases
 
 # fxrt's own pointwise ops: gelu's out= form is a TensorIterator loop (ATen's GeluKernel, or
 # aten::gelu.out; fxrt/_speedups/own_ops.h), gated's reads each lane block of its operands before
-# it writes that block of the result, or computes into a new tensor and copies (own_decoder.h).
-OWN_POINTWISE = frozenset({"fxrt::gelu", "fxrt::gated"})
+# it writes that block of the result, or computes into a new tensor and copies (own_decoder.h);
+# tanh's reads each vector of its input before it writes that vector of the result, or is
+# aten::tanh.out (own_ops.h).
+OWN_POINTWISE = frozenset({"fxrt::gelu", "fxrt::gated", "fxrt::tanh"})
 
 
 def _pointwise(node: Node) -> bool:
