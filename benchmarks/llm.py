@@ -105,7 +105,11 @@ def build(name: str) -> Any:
         "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}),
         "granite": ("GraniteForCausalLM", "GraniteConfig", {}),
         # transformers has no SDPA attention for Gemma-2 (its scores are soft-capped)
-        "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 16}),
+        "gemma2": (
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            {"head_dim": 16, "attn_implementation": "eager"},
+        ),
         "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {"head_dim": 16}),
         "stablelm": ("StableLmForCausalLM", "StableLmConfig", {}),
         "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
@@ -122,9 +126,8 @@ def build(name: str) -> Any:
     config = getattr(hf, config_cls)(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="eager" if name == "gemma2" else "sdpa",
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        **extra,
+        **({"attn_implementation": "sdpa"} | extra),
     )  # fmt: skip
     torch.manual_seed(0)
     model = getattr(hf, model_cls)(config).eval().to(DTYPE)

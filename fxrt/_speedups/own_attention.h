@@ -341,7 +341,7 @@ inline bool plain_f32(const at::Tensor& t) {
 }
 
 // Whether the fast path takes these arguments.
-inline bool small_attention(
+inline bool fast_attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
@@ -393,7 +393,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
     const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale) {
   using namespace attention_detail;
-  if (small_attention(query, key, value, dropout_p, attn_mask)) {
+  if (fast_attention(query, key, value, dropout_p, attn_mask)) {
     const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
     const int64_t Hk = key.size(1), S = key.size(2);
     const float s = scale.has_value() ? static_cast<float>(*scale)
