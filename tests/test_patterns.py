@@ -20,7 +20,7 @@ from conftest import native_available, recording_compiles, skip_unless_executor
 from torch import nn
 
 import fxrt
-from fxrt.patterns import Match, Target, View, registered_patterns
+from fxrt.patterns import Made, Match, Target, View, registered_patterns
 
 needs_ops = pytest.mark.skipif(not native_available(), reason="fxrt's own ops need the extension")
 BF16_CPU = True  # eager computes these chains in bfloat16 on the CPU
@@ -503,6 +503,37 @@ def test_a_view_argument_that_computes_is_refused(executor):
             compile_twice(Softplus(), x_input(4, 9), executor)
     finally:
         fxrt.unregister_pattern("softplus_view")
+
+
+def _scaled_softplus(match, _index):
+    """softplus reads its input doubled and halved: a target whose op takes the value in
+    another form than the graph holds it (made before the call)."""
+    (x,) = match.args
+    doubled = Made(torch.ops.aten.mul.Scalar, (x, 2.0))
+    return Match((Made(torch.ops.aten.mul.Scalar, (doubled, 0.5)),), {}, match.results, match.nodes)
+
+
+def test_a_made_argument_is_computed_before_the_call(executor):
+    fxrt.register_pattern(
+        "softplus_made", match_softplus,
+        {"cpu": Target(torch.ops.aten.softplus.default, adapt=_scaled_softplus)},
+        anchors=["aten::log1p"],
+    )  # fmt: skip
+    try:
+        with recording_compiles() as built:
+            assert compile_twice(Softplus(), x_input(4, 9), executor) == {"softplus_made": 1}
+        ops = [(n.name, n.op.name) for n in built[0].graph.nodes]
+        made = [name for name, op in ops if op == "aten::mul.Scalar"]
+        assert made == ["softplus_made_made", "softplus_made_made_1"], ops
+        assert [op for _, op in ops][-2:] == ["aten::softplus", "aten::mul.Tensor"], ops
+        # a dynamic shape: a Made without its meta cannot be worked out, and says so
+        torch._dynamo.reset()
+        compiled = torch.compile(Softplus(), backend="fxrt", dynamic=True,
+                                 options={"pure_python": executor == "python"})  # fmt: skip
+        with pytest.raises(Exception, match="'softplus_made'.*needs static tensor arguments"):
+            compiled(torch.randn(4, 9))
+    finally:
+        fxrt.unregister_pattern("softplus_made")
 
 
 def test_builtins_are_registered_in_order():

@@ -15,9 +15,9 @@ For each registered pattern not turned off, in registration order, the pass scan
    that point and every reader of a result after it, and nothing in between may write an
    argument's storage;
 4. the fused node (named ``fused_<pattern>``) takes the replaced values' metadata (the target's
-   guard vouched for the layout), after the views its arguments name (:class:`View`); readers
-   of a replaced value read the fused result; the matched nodes that nothing else reads are
-   removed.
+   guard vouched for the layout), after the views and the values its arguments name
+   (:class:`View`, :class:`Made`: one node each, made once per match); readers of a replaced
+   value read the fused result; the matched nodes that nothing else reads are removed.
 
 :func:`fxrt.pattern_counts` counts, in any graph (a fresh compile's, a cache entry's, a loaded
 package's), the fused nodes of each pattern by their names.
@@ -25,13 +25,19 @@ package's), the fused nodes of each pattern by their names.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from ..analysis.values import alias_roots, replace_uses, unique_name, written_values
-from ..ir.graph import Graph, Node, Op, Ref, ValueKind, refs_in
+from ..ir.from_fx import tensor_meta
+from ..ir.graph import Graph, Node, Op, Ref, TensorMeta, ValueKind, map_refs, refs_in
 from ..patterns import (
     PREFIX,
     GraphIndex,
+    Made,
     Match,
     Pattern,
     Target,
@@ -91,7 +97,7 @@ def _apply(graph: Graph, pattern: Pattern, own_ops: bool) -> None:
 def _check_views(pattern: Pattern, node: Node, match: Match) -> None:
     """A :class:`View` argument names an op whose result is a view of its first argument (no
     data is computed between the chain and the fused call)."""
-    for a in match.args:
+    for a in _made_args(match):
         if not isinstance(a, View):
             continue
         schema = getattr(a.op, "_schema", None)
@@ -139,7 +145,7 @@ def _place(
     first, last = min(positions), max(positions)
     at = index.position[id(m.at)] if m.at is not None else last
     inside = {id(n) for n in m.nodes}
-    args = refs_in(([a.args if isinstance(a, View) else a for a in m.args], m.kwargs))
+    args = refs_in(_graph_args((m.args, m.kwargs)))
     for v in args:
         p = index.producer.get(v)
         if p is None:
@@ -169,30 +175,32 @@ def _rewrite(
     after: dict[int, list[Node]] = {}  # node index -> the fused calls placed after it
     removed: set[int] = set()
     mapping: dict[int, int] = {}
+    consumed: set[int] = set()  # constants a value made of constants read
     for match, calls, op, places in chosen:
-        multi = len(op.target._schema.returns) > 1
-        for m, at in zip(calls, places):
+        returns = op.target._schema.returns
+        multi = len(returns) > 1
+        made: dict[int, Ref] = {}  # id() of a View / Made -> its value, made once per match
+        for m, at in sorted(zip(calls, places), key=lambda c: c[1]):
             name = unique_name(taken, PREFIX + pattern.name)
             outputs = []
             for i, r in enumerate(m.results):
-                meta = graph.values[r].meta if r is not None else _spare_meta(graph, m, i)
                 value_name = unique_name(taken, f"{name}_{i}") if multi else name
+                if r is None and not isinstance(returns[i].type, torch.TensorType):
+                    vid = graph.add_value(value_name, ValueKind.SCALAR)  # an unread number
+                    outputs.append(vid)
+                    continue
+                meta = graph.values[r].meta if r is not None else _spare_meta(graph, m, i)
                 vid = graph.add_value(value_name, ValueKind.TENSOR, meta)
                 outputs.append(vid)
                 if r is not None:
                     mapping[r] = vid
             trace = graph.nodes[at].stack_trace if m.at is not None else None
             trace = trace or max(m.nodes, key=lambda n: index.position[id(n)]).stack_trace
-            args = []
-            for a in m.args:  # a View is made just before the call
-                if isinstance(a, View):
-                    view_name = unique_name(taken, f"{pattern.name}_view")
-                    vid = graph.add_value(view_name, ValueKind.TENSOR, a.meta)
-                    view = Node(view_name, Op.of(a.op), a.args, {}, [vid], False, trace)
-                    after.setdefault(at, []).append(view)
-                    a = Ref(vid)
-                args.append(a)
-            fused = Node(name, op, tuple(args), m.kwargs, outputs, multi, trace)
+            make = _Maker(graph, taken, pattern.name, trace, after.setdefault(at, []), made,
+                          consumed)  # fmt: skip
+            args = tuple(make(a) for a in m.args)
+            kwargs = {k: make(a) for k, a in m.kwargs.items()}
+            fused = Node(name, op, args, kwargs, outputs, multi, trace)
             after.setdefault(at, []).append(fused)
         # A matched node goes when each of its results is replaced or read only by nodes that
         # go (decided from the last node back, so its readers are decided first); one whose
@@ -213,9 +221,98 @@ def _rewrite(
         if id(n) not in removed:
             nodes.append(n)
         nodes.extend(after.get(i, ()))
+    dropped = {v for n in graph.nodes if id(n) in removed for v in n.input_ids()}
     graph.nodes = nodes
     # Readers of a replaced value, fused calls of a later match included, read the fused result.
     replace_uses(graph, mapping)
+    # A constant only the removed nodes, or a value made of it, read (a folded mask) goes.
+    read = {v for n in nodes for v in n.input_ids()} | set(graph.output_ids())
+    for v in (dropped | consumed) - read:
+        graph.constants.pop(v, None)
+
+
+def _made_args(m: Match) -> Iterable[Any]:
+    """Every :class:`View` and :class:`Made` among ``m``'s arguments, nested ones too."""
+    todo = [*m.args, *m.kwargs.values()]
+    while todo:
+        a = todo.pop()
+        if isinstance(a, (View, Made)):
+            yield a
+            todo.extend(a.args)
+            todo.extend(getattr(a, "kwargs", {}).values())
+
+
+def _graph_args(tree: Any) -> Any:
+    """``tree`` with each :class:`View` / :class:`Made` replaced by its arguments: what the
+    fused call reads of the graph."""
+    if isinstance(tree, (View, Made)):
+        return [_graph_args(a) for a in tree.args] + [_graph_args(getattr(tree, "kwargs", {}))]
+    if isinstance(tree, (list, tuple)):
+        return [_graph_args(a) for a in tree]
+    if isinstance(tree, dict):
+        return {k: _graph_args(a) for k, a in tree.items()}
+    return tree
+
+
+class _Maker:
+    """Turns a fused call's argument into what the node reads: each :class:`View` and
+    :class:`Made` (its arguments first) becomes a node placed before the call, once per match
+    (``made``)."""
+
+    def __init__(self, graph: Graph, taken: set, pattern: str, trace: Any, before: list,
+                 made: dict[int, Ref], consumed: set[int]) -> None:  # fmt: skip
+        self.graph, self.taken, self.pattern, self.trace = graph, taken, pattern, trace
+        self.before, self.made, self.consumed = before, made, consumed
+
+    def __call__(self, a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(self(x) for x in a)
+        if not isinstance(a, (View, Made)):
+            return a
+        if id(a) in self.made:
+            return self.made[id(a)]
+        args = tuple(self(x) for x in a.args)
+        kwargs = {k: self(x) for k, x in getattr(a, "kwargs", {}).items()}
+        kind = "view" if isinstance(a, View) else "made"
+        name = unique_name(self.taken, f"{self.pattern}_{kind}")
+        reads = refs_in((args, kwargs))
+        if isinstance(a, Made) and reads and all(v in self.graph.constants for v in reads):
+            # made of constants (a folded mask): made once, now, a constant itself
+            known = self.graph.constants
+            with torch.inference_mode(False), torch.no_grad():
+                value = a.op(*map_refs(args, lambda r: known[r.id]),
+                             **map_refs(kwargs, lambda r: known[r.id]))  # fmt: skip
+            vid = self.graph.add_value(name, ValueKind.TENSOR, tensor_meta(value))
+            known[vid] = value
+            self.consumed.update(reads)
+            self.made[id(a)] = Ref(vid)
+            return self.made[id(a)]
+        meta = a.meta if a.meta is not None else self._meta(a.op, args, kwargs)
+        vid = self.graph.add_value(name, ValueKind.TENSOR, meta)
+        self.before.append(Node(name, Op.of(a.op), args, kwargs, [vid], False, self.trace))
+        self.made[id(a)] = Ref(vid)
+        return self.made[id(a)]
+
+    def _meta(self, op: Any, args: tuple, kwargs: dict) -> TensorMeta:
+        """The result's metadata: ``op`` run on meta-device stand-ins of its tensor arguments,
+        on the device of the first."""
+        metas = [self.graph.values[v].meta for v in refs_in((args, kwargs))]
+        if not metas or any(m is None or not m.is_static for m in metas):
+            raise ValueError(
+                f"fxrt: pattern {self.pattern!r}: Made({op}) needs static tensor arguments to "
+                "work out its result's shape; give its meta"
+            )
+
+        def fake(x: Any) -> Any:
+            if isinstance(x, Ref):
+                m = self.graph.values[x.id].meta
+                return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+            if isinstance(x, (list, tuple)):
+                return type(x)(fake(y) for y in x)
+            return x
+
+        out = op(*fake(args), **{k: fake(v) for k, v in kwargs.items()})
+        return dataclasses.replace(tensor_meta(out), device=metas[0].device)
 
 
 def _spare_meta(graph: Graph, m: Match, i: int):

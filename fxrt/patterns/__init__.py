@@ -34,6 +34,7 @@ from typing import Any
 
 from .match import GraphIndex
 from .registry import (
+    Made,
     Match,
     Pattern,
     Target,
@@ -70,6 +71,7 @@ __all__ = [
     "BUILTIN",
     "PREFIX",
     "GraphIndex",
+    "Made",
     "Match",
     "Pattern",
     "Target",

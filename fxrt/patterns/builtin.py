@@ -27,12 +27,15 @@ Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in th
     attention over K/V heads repeated for grouped-query attention (``repeat_kv``: ``x[:, :, None]
     .expand(b, h, n, s, d).reshape(b, h * n, s, d)``): the attention reads the un-repeated heads
     (query head ``i`` reads K/V head ``i // n``, as the repeat does), and the copies are gone.
+    Anchored on the CPU's attention op, and on the ``view`` that ends SDPA's math chain, what
+    SDPA traces to on a device with no fused kernel behind it under torch.compile (an NPU's:
+    :func:`_match_sdpa_math`), whose only target is the NPU's.
 
 Targets: on the CPU fxrt's own ops (``fxrt::rms_norm``, ``fxrt::add_rms_norm``, ``fxrt::rotary``,
 ``fxrt::rotary_complex``, ``fxrt::gated``; the attention op itself for ``gqa_attention``), for
 float32 and bfloat16 tensors with the layouts their fast paths read; on Ascend NPUs
-``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`; ``rotary_complex`` has none there), looked
-up only when a graph's tensors are on an NPU.
+``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`), looked up only when a graph's tensors are
+on an NPU.
 """
 
 from __future__ import annotations
@@ -368,6 +371,8 @@ def _unrepeated(index: GraphIndex, x: Any, heads: int) -> tuple[Any, list[Node]]
 
 
 def match_gqa(node: Node, index: GraphIndex) -> Match | None:
+    if node.op.name != _ATTENTION:
+        return _match_sdpa_math(node, index)
     q, k, v = node.args[:3]
     qm = index.meta(q)
     if qm is None or len(qm.shape) != 4:
@@ -380,8 +385,121 @@ def match_gqa(node: Node, index: GraphIndex) -> Match | None:
     return Match(args, dict(node.kwargs), list(node.outputs), [node, *ku[1], *vu[1]])
 
 
+def _match_sdpa_math(node: Node, index: GraphIndex) -> Match | None:
+    """``scaled_dot_product_attention`` as it traces on a device with no fused kernel of its
+    own behind SDPA (a PrivateUse1 backend's, ``torch_npu``'s under torch.compile): q and k^T
+    each scaled by the root of the scale, two ``bmm``, a mask added as ``where(keep, 0, -inf)``
+    (a boolean mask, or the causal ``tril``) or as a constant of zeros and -inf, and
+    ``_safe_softmax``; ``node`` is the ``view`` of the second ``bmm``. The match is in the CPU
+    op's terms with ``attn_mask`` the boolean keep-mask, or the constant; ``info["math"]``."""
+    bmm2 = index.only_for(node.args[0], "aten::bmm")
+    if bmm2 is None:
+        return None
+    (probs, pn), (vr, vn) = (_through_expand(index, x) for x in bmm2.args[:2])
+    softmax = index.only_for(probs, "aten::_safe_softmax")
+    if softmax is None or len(softmax.args) != 2 or softmax.args[1] not in (-1, 3):
+        return None
+    scores, mask, chain = softmax.args[0], None, [node, bmm2, *pn, *vn, softmax]
+    add = index.only_for(scores, _ADD)
+    if add is not None:
+        if add.kwargs.get("alpha", 1) != 1:
+            return None
+        scores, mask = next(
+            ((x, m) for x, m in index.operands(add) if index.made_by(x, *_RESHAPES)), (None, None)
+        )
+        mask = _keep_mask(index, mask)
+        if mask is None:
+            return None
+        chain.append(add)
+    view = index.only_for(scores, *_RESHAPES)
+    bmm1 = None if view is None else index.only_for(view.args[0], "aten::bmm")
+    if bmm1 is None:
+        return None
+    (qs, qn), (kts, kn) = (_through_expand(index, x) for x in bmm1.args[:2])
+    qmul, kmul = index.only_for(qs, "aten::mul.Scalar"), index.only_for(kts, "aten::mul.Scalar")
+    if qmul is None or kmul is None:
+        return None
+    root = index.number(qmul.args[1])
+    if root is None or root != index.number(kmul.args[1]) or not root > 0:
+        return None
+    kt = index.only_for(kmul.args[0], "aten::transpose.int")
+    if kt is None or sorted(d % 4 for d in kt.args[1:3]) != [2, 3]:
+        return None
+    q = qmul.args[0]
+    qm, om = index.meta(q), index.meta(Ref(node.outputs[0]))
+    if qm is None or om is None or len(qm.shape) != 4 or len(om.shape) != 4:
+        return None
+    heads = qm.shape[1]
+    ku, vu = _unrepeated(index, kt.args[0], heads), _unrepeated(index, vr, heads)
+    if ku is None or vu is None:
+        return None
+    b, _, length, _ = qm.shape
+    keys, dv = index.meta(ku[0]).shape[2], index.meta(vu[0]).shape[3]
+    sm = index.meta(Ref(view.outputs[0]))
+    if tuple(sm.shape) != (b, heads, length, keys) or tuple(om.shape) != (b, heads, length, dv):
+        return None
+    chain += [view, bmm1, *qn, *kn, qmul, kmul, kt, *ku[1], *vu[1]]
+    kwargs = {"attn_mask": mask, "scale": root * root}
+    return Match((q, ku[0], vu[0], 0.0, False), kwargs, [node.outputs[0], None], chain,
+                 info={"math": True})  # fmt: skip
+
+
+def _through_expand(index: GraphIndex, x: Any) -> tuple[Any, list[Node]]:
+    """``x`` = ``view(y)`` (matmul's decomposition: a 4-D operand as a batch of matrices),
+    through the contiguous copy it makes of a strided ``y`` and a broadcast to ``y``'s own shape
+    (when no pass removed it), each read by the chain alone: ``(y, those nodes)``; ``(None,
+    [])`` otherwise."""
+    view = index.only_for(x, *_RESHAPES)
+    if view is None:
+        return None, []
+    y, nodes = view.args[0], [view]
+    clone = index.only_for(y, "aten::clone")
+    if clone is not None:
+        y, nodes = clone.args[0], [*nodes, clone]
+    expand = index.only_for(y, "aten::expand")
+    if expand is not None:
+        if index.meta(expand.args[0]).shape != index.meta(y).shape:
+            return None, []  # a real broadcast
+        y, nodes = expand.args[0], [*nodes, expand]
+    return y, nodes
+
+
+def _keep_mask(index: GraphIndex, m: Any) -> Any:
+    """The mask SDPA's math adds to the scores: ``where(keep, 0, -inf)`` (``keep`` a boolean
+    value: the mask's or the causal ``tril``), or a constant of zeros and -inf (the same,
+    folded). The boolean keep-mask, or the constant; None for any other mask."""
+    where = index.made_by(m, "aten::where.self")
+    if where is not None:
+        keep, zero, inf = where.args[:3]
+        km = index.meta(keep)
+        if km is None or km.dtype != torch.bool:
+            return None
+        if _scalar(index, zero) == 0.0 and _scalar(index, inf) == -math.inf:
+            return keep
+        return None
+    if not isinstance(m, Ref) or m.id not in index.graph.constants:
+        return None
+    c = index.graph.constants[m.id]
+    if not isinstance(c, torch.Tensor) or not c.is_floating_point():
+        return None
+    return m if bool(((c == 0) | (c == -math.inf)).all()) else None
+
+
+def _scalar(index: GraphIndex, x: Any) -> float | None:
+    """The number a ``scalar_tensor`` node makes (or a folded 0-d constant)."""
+    node = index.made_by(x, "aten::scalar_tensor")
+    if node is not None:
+        return index.number(node.args[0])
+    c = index.graph.constants.get(x.id) if isinstance(x, Ref) else None
+    if isinstance(c, torch.Tensor) and c.dim() == 0:
+        return float(c)
+    return None
+
+
 def _gqa_guard(match: Match, index: GraphIndex) -> bool:
-    return index.is_float32_cpu(*match.args[:3])
+    # SDPA's math spelling never traces on the CPU (its SDPA is the flash op); the CPU op's
+    # output layout is not that chain's.
+    return not match.info.get("math") and index.is_float32_cpu(*match.args[:3])
 
 
 # --- registration -------------------------------------------------------------------------------
@@ -407,7 +525,7 @@ def register_builtins() -> None:
     )  # fmt: skip
     register_pattern(
         "rotary_complex", match_rotary_complex,
-        {"cpu": Target(_own("rotary_complex"), rotary_complex_guard)},
+        {"cpu": Target(_own("rotary_complex"), rotary_complex_guard), "npu": npu.rotary_complex},
         anchors=["aten::view_as_real", "aten::stack"],
         doc="rotary embedding of q and k as a complex product", _builtin=True,
     )  # fmt: skip
@@ -419,8 +537,8 @@ def register_builtins() -> None:
     register_pattern(
         "gqa_attention", match_gqa,
         {"cpu": Target(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                       _gqa_guard)},
-        anchors=[_ATTENTION], doc="attention over un-repeated K/V heads",
+                       _gqa_guard), "npu": npu.attention},
+        anchors=[_ATTENTION, "aten::view"], doc="attention over un-repeated K/V heads",
         _builtin=True,
     )  # fmt: skip
 

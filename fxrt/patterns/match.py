@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Graph, Node, Ref, TensorMeta, is_contiguous
-from .registry import View
+from .registry import Made, View
 
 CAST = "aten::_to_copy"
 WIDENED = (torch.bfloat16,)  # dtypes models widen to float32 around a chain, and cast back to
@@ -53,9 +53,9 @@ class GraphIndex:
                 self.readers.setdefault(v, []).append(n)
 
     def meta(self, x: Any) -> TensorMeta | None:
-        """The tensor metadata of a :class:`Ref` or a :class:`~fxrt.patterns.View` (None for
-        anything else)."""
-        if isinstance(x, View):
+        """The tensor metadata of a :class:`Ref`, a :class:`~fxrt.patterns.View` or a
+        :class:`~fxrt.patterns.Made` given its meta (None for anything else)."""
+        if isinstance(x, (View, Made)):
             return x.meta
         return self.graph.values[x.id].meta if isinstance(x, Ref) else None
 

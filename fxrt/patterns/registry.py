@@ -102,6 +102,32 @@ class Target:
         return op if isinstance(op, torch._ops.OpOverload) else None
 
 
+@dataclass(frozen=True, eq=False)
+class Made:
+    """A fused call's argument computed just before the call, from graph values: what a target's
+    :attr:`Target.adapt` builds when the device's op reads a value in another form than the
+    graph holds it (a keep-mask as the vendor's masked-out mask, ``Made(torch.ops.aten
+    .logical_not.default, (Ref(m),))``; a frequency table repeated per pair). Unlike a
+    :class:`View` it computes: one more kernel a call, so a target uses it only where the fused
+    op saves more than that.
+
+    Attributes:
+        op: the op (an ``OpOverload``).
+        args: its positional arguments (``Ref``, :class:`View` or ``Made`` of graph values, and
+            constants); at least one is a tensor, whose device the result is on.
+        kwargs: its keyword arguments.
+        meta: the result's :class:`~fxrt.ir.graph.TensorMeta`; None: worked out at compile time
+            by running ``op`` on the meta device (static shapes only).
+
+    One ``Made`` object read by several calls of one match is made once.
+    """
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    meta: Any = None
+
+
 @dataclass(frozen=True)
 class Pattern:
     """A fused pattern (see the module docstring)."""
@@ -227,6 +253,7 @@ def registry_fingerprint() -> str:
 
 
 __all__ = [
+    "Made",
     "Match",
     "Pattern",
     "Target",
