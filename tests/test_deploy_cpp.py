@@ -820,3 +820,28 @@ def test_tanh_package(runner: Any, store: Path, tmp_path: Path) -> None:
         for out in (cpp, *outs):
             for got, want in zip(out, eager):
                 torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-7)
+
+
+class _Attention(torch.nn.Module):
+    # grouped-query causal attention, as a decoder block calls it: fxrt::sdpa into the arena
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+
+
+def test_sdpa_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """A package whose attention's logsumexp nobody reads names fxrt::sdpa, and fxrt.load (both
+    loops) and the C++ runtime give eager's values."""
+    model = _Attention()
+    shapes = ((2, 4, 12, 16), (2, 2, 12, 16), (2, 2, 12, 16))
+    path = store / "attention.fxrt"
+    fxrt.export(model, tuple(torch.randn(s) for s in shapes)).save(path)
+    assert "fxrt::sdpa" in fxrt.load(path).manifest["ops"]
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        args = [torch.randn(s, generator=g) for s in shapes]
+        want = model(*args)
+        cpp = _run_cpp(runner, path, args, tmp_path)
+        for got in (cpp[0], *(_loaded(path, p)(*args) for p in (False, True))):
+            torch.testing.assert_close(got, want)

@@ -239,6 +239,50 @@ def test_small_attention_is_eagers(executor, b, h, hk, lq, s, d, layout, causal,
             torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize(
+    "b, h, hk, lq, s, d", [(1, 4, 2, 16, 16, 16), (1, 8, 2, 1, 77, 64), (2, 4, 4, 40, 40, 32)]
+)
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_attention_whose_logsumexp_nobody_reads_is_sdpa_into_the_arena(
+    executor, b, h, hk, lq, s, d, layout
+):
+    """Inference reads only the attention's output: fxrt::sdpa, the same kernel returning that
+    alone, written into its arena slot through sdpa.out (laid out as eager's output)."""
+    q, k, v = _sdpa_inputs(b, h, hk, lq, s, d, layout)
+
+    def fn(q, k, v):
+        return FLASH(q, k, v, 0.0, True)[0] * 2
+
+    cg = compiled(fn, (q, k, v), executor)
+    text = str(cg.program)
+    assert "fxrt::sdpa(" in text and "via fxrt::sdpa.out" in text, text
+    assert "fxrt::attention(" not in text
+    for args in ((q, k, v), perturbed(q, k, v)):
+        got, want = cg(*args), fn(*args)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+    # both loops, and the call without the arena, give the same bits
+    other = compiled(fn, (q, k, v), "python" if executor == "cpp" else "cpp")
+    assert torch.equal(other(q, k, v), cg(q, k, v))
+
+
+def test_sdpa_out_takes_any_layout_and_names_a_wrong_size():
+    q, k, v = _sdpa_inputs(1, 4, 2, 9, 9, 16, "dense")
+    want = FLASH(q, k, v, 0.0, True)[0]
+    out = torch.empty(1, 9, 4, 16).transpose(1, 2)  # [B, L, H, D] seen as [B, H, L, D]
+    got = torch.ops.fxrt.sdpa.out(q, k, v, 0.0, True, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want)
+    # off the fast path (a row with no key left): ATen's values copied into out
+    mask = torch.zeros(9, 9)
+    mask[2] = float("-inf")
+    out = torch.full((1, 4, 9, 16), 7.0)
+    torch.ops.fxrt.sdpa.out(q, k, v, 0.0, False, attn_mask=mask, out=out)
+    torch.testing.assert_close(out, FLASH(q, k, v, 0.0, False, attn_mask=mask)[0], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"fxrt::sdpa.out: out has sizes \[1, 4, 9, 8\]"):
+        torch.ops.fxrt.sdpa.out(q, k, v, 0.0, True, out=torch.empty(1, 4, 9, 8))
+
+
 def test_attention_outside_the_fast_path_is_eagers(executor):
     q, k, v = _sdpa_inputs(1, 2, 2, 4, 6, 8, "dense")
     mask = torch.zeros(4, 6)

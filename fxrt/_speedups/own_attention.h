@@ -384,6 +384,73 @@ inline bool fast_attention(
 
 }  // namespace attention_detail
 
+// The fast path into `out` ([B, H, L, D], any strides with dense features) and `lse` ([B, L, H],
+// contiguous); false when a row has no key left (ATen's call then computes the whole problem).
+// fast_attention said yes.
+inline bool attention_into(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    bool is_causal,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale,
+    at::Tensor& out,
+    float* ld) {
+  using namespace attention_detail;
+  const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
+  const int64_t Hk = key.size(1), S = key.size(2);
+  const float s = scale.has_value() ? static_cast<float>(*scale)
+                                    : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor mask;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    mask = attn_mask->expand({B, H, L, S});
+  }
+  const int64_t Sp = padded(S), Dp = padded(D), G = H / Hk;
+  const float* qd = query.const_data_ptr<float>();
+  const float* kd = key.const_data_ptr<float>();
+  const float* vd = value.const_data_ptr<float>();
+  const float* md = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+  float* od = out.mutable_data_ptr<float>();
+  // Scratch: on the stack up to 16 KiB (the client models' sizes), every element written
+  // before it is read.
+  c10::SmallVector<float, 4096> scratch;
+  const int64_t kt_size = tiled_keys(L, D) ? Sp * D : 0;
+  const int64_t vp_size = D % kLanes == 0 ? 0 : S * Dp;
+  scratch.resize_for_overwrite(static_cast<size_t>(kt_size + vp_size + kRows * Sp));
+  float* kt = scratch.data();
+  float* vp = kt + kt_size;
+  float* p = vp + vp_size;
+  // One query (a decoding step) without a causal cut: a group's G query heads are the rows of
+  // one problem over its keys.
+  const bool fold = L == 1 && !is_causal;
+  const int64_t row = fold ? 1 : 2;  // the dimension a row steps along
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t hk = 0; hk < Hk; ++hk) {
+      // Each key/value head laid out once for the G query heads that read it.
+      const Keys kv = lay_out_keys(
+          kd + b * key.stride(0) + hk * key.stride(1),
+          vd + b * value.stride(0) + hk * value.stride(1), key.stride(2), value.stride(2), L, S,
+          D, kt, vp);
+      for (int64_t hq = hk * G; hq < (hk + 1) * G; hq += fold ? G : 1) {
+        const Head h{
+            qd + b * query.stride(0) + hq * query.stride(1),
+            md != nullptr ? md + b * mask.stride(0) + hq * mask.stride(1) : nullptr,
+            od + b * out.stride(0) + hq * out.stride(1),
+            ld + b * L * H + hq,
+            query.stride(row),
+            md != nullptr ? mask.stride(row) : 0,
+            md != nullptr ? mask.stride(3) : 0,
+            out.stride(row),
+            fold ? 1 : H};
+        if (!run_head(h, kv, fold ? G : L, S, D, s, is_causal, p)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 inline std::tuple<at::Tensor, at::Tensor> attention(
     const at::Tensor& query,
     const at::Tensor& key,
@@ -392,68 +459,67 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
     bool is_causal,
     const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale) {
-  using namespace attention_detail;
-  if (fast_attention(query, key, value, dropout_p, attn_mask)) {
-    const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
-    const int64_t Hk = key.size(1), S = key.size(2);
-    const float s = scale.has_value() ? static_cast<float>(*scale)
-                                      : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  if (attention_detail::fast_attention(query, key, value, dropout_p, attn_mask)) {
     // ATen's layout: the query's when it is dense, else contiguous; features dense either way.
     at::Tensor out = at::empty_like(query);
-    at::Tensor lse = at::empty({B, L, H}, query.options());
-    at::Tensor mask;
-    if (attn_mask.has_value() && attn_mask->defined()) {
-      mask = attn_mask->expand({B, H, L, S});
-    }
-    const int64_t Sp = padded(S), Dp = padded(D), G = H / Hk;
-    const float* qd = query.const_data_ptr<float>();
-    const float* kd = key.const_data_ptr<float>();
-    const float* vd = value.const_data_ptr<float>();
-    const float* md = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
-    float* od = out.mutable_data_ptr<float>();
-    float* ld = lse.mutable_data_ptr<float>();
-    // Scratch: on the stack up to 16 KiB (the client models' sizes), every element written
-    // before it is read.
-    c10::SmallVector<float, 4096> scratch;
-    const int64_t kt_size = tiled_keys(L, D) ? Sp * D : 0;
-    const int64_t vp_size = D % kLanes == 0 ? 0 : S * Dp;
-    scratch.resize_for_overwrite(static_cast<size_t>(kt_size + vp_size + kRows * Sp));
-    float* kt = scratch.data();
-    float* vp = kt + kt_size;
-    float* p = vp + vp_size;
-    // One query (a decoding step) without a causal cut: a group's G query heads are the rows of
-    // one problem over its keys.
-    const bool fold = L == 1 && !is_causal;
-    const int64_t row = fold ? 1 : 2;  // the dimension a row steps along
-    bool ok = true;
-    for (int64_t b = 0; b < B && ok; ++b) {
-      for (int64_t hk = 0; hk < Hk && ok; ++hk) {
-        // Each key/value head laid out once for the G query heads that read it.
-        const Keys kv = lay_out_keys(
-            kd + b * key.stride(0) + hk * key.stride(1),
-            vd + b * value.stride(0) + hk * value.stride(1), key.stride(2), value.stride(2), L,
-            S, D, kt, vp);
-        for (int64_t hq = hk * G; hq < (hk + 1) * G && ok; hq += fold ? G : 1) {
-          const Head h{
-              qd + b * query.stride(0) + hq * query.stride(1),
-              md != nullptr ? md + b * mask.stride(0) + hq * mask.stride(1) : nullptr,
-              od + b * out.stride(0) + hq * out.stride(1),
-              ld + b * L * H + hq,
-              query.stride(row),
-              md != nullptr ? mask.stride(row) : 0,
-              md != nullptr ? mask.stride(3) : 0,
-              out.stride(row),
-              fold ? 1 : H};
-          ok = run_head(h, kv, fold ? G : L, S, D, s, is_causal, p);
-        }
-      }
-    }
-    if (ok) {
+    at::Tensor lse = at::empty({query.size(0), query.size(2), query.size(1)}, query.options());
+    if (attention_into(
+            query, key, value, is_causal, attn_mask, scale, out, lse.mutable_data_ptr<float>())) {
       return {out, lse.transpose(1, 2)};
     }
   }
   return at::_scaled_dot_product_flash_attention_for_cpu(
       query, key, value, dropout_p, is_causal, attn_mask, scale);
+}
+
+// fxrt::sdpa: fxrt::attention's output alone (what inference reads; the logsumexp goes to
+// scratch), so that the arena can hold it through sdpa.out.
+inline at::Tensor sdpa(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    double dropout_p,
+    bool is_causal,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale) {
+  if (attention_detail::fast_attention(query, key, value, dropout_p, attn_mask)) {
+    at::Tensor out = at::empty_like(query);
+    c10::SmallVector<float, 1024> lse;
+    lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
+    if (attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data())) {
+      return out;
+    }
+  }
+  return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+      query, key, value, dropout_p, is_causal, attn_mask, scale));
+}
+
+inline at::Tensor& sdpa_out(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    double dropout_p,
+    bool is_causal,
+    const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale,
+    at::Tensor& out) {
+  const bool sized = query.dim() == 4 && value.dim() == 4 && out.dim() == 4 &&
+      out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+      out.size(2) == query.size(2) && out.size(3) == value.size(3);
+  TORCH_CHECK(
+      sized, "fxrt::sdpa.out: out has sizes ", out.sizes(), " but the attention's output has ",
+      "[B, H, L, D] of query ", query.sizes(), " and value ", value.sizes());
+  if (attention_detail::fast_attention(query, key, value, dropout_p, attn_mask) &&
+      out.scalar_type() == at::kFloat && out.stride(3) == 1) {
+    c10::SmallVector<float, 1024> lse;
+    lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
+    if (attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data())) {
+      return out;
+    }
+  }
+  out.copy_(std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+      query, key, value, dropout_p, is_causal, attn_mask, scale)));
+  return out;
 }
 
 }  // namespace fxrt

@@ -20,6 +20,8 @@
 //   result, or into the arena. Results are identical to eager's.
 //
 // fxrt::attention: aten::_scaled_dot_product_flash_attention_for_cpu's schema (own_attention.h).
+// fxrt::sdpa: its output alone, with an out= overload (inference never reads the logsumexp; the
+//   arena holds the output).
 //
 // fxrt::tanh(Tensor self) -> Tensor, and its out= overload.
 //   aten::tanh on float32 CPU tensors computes through MKL's vector math (VML), which on this
@@ -293,6 +295,13 @@ TORCH_LIBRARY_FRAGMENT(fxrt, m) {
       "attention(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
       "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> "
       "(Tensor output, Tensor logsumexp)");
+  m.def(
+      "sdpa(Tensor query, Tensor key, Tensor value, float dropout_p=0., bool is_causal=False, "
+      "*, Tensor? attn_mask=None, float? scale=None) -> Tensor");
+  m.def(
+      "sdpa.out(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
+      "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None, Tensor(a!) out) -> "
+      "Tensor(a!)");
   m.def("tanh(Tensor self) -> Tensor");
   m.def("tanh.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)");
 }
@@ -301,11 +310,13 @@ TORCH_LIBRARY_IMPL(fxrt, CompositeImplicitAutograd, m) {
   m.impl("gelu", TORCH_FN(fxrt::gelu));
   m.impl("layer_norm", TORCH_FN(fxrt::layer_norm));
   m.impl("attention", TORCH_FN(fxrt::attention));
+  m.impl("sdpa", TORCH_FN(fxrt::sdpa));
   m.impl("tanh", TORCH_FN(fxrt::tanh));
 }
 
 TORCH_LIBRARY_IMPL(fxrt, CPU, m) {
   m.impl("gelu.out", TORCH_FN(fxrt::gelu_out));
   m.impl("layer_norm.out", TORCH_FN(fxrt::layer_norm_out));
+  m.impl("sdpa.out", TORCH_FN(fxrt::sdpa_out));
   m.impl("tanh.out", TORCH_FN(fxrt::tanh_out));
 }

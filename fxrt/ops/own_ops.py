@@ -21,6 +21,8 @@ tensor subclass), so nothing but the fast path differs from eager.
   about half its speed on one thread (``python benchmarks/attention.py``). Same outputs and
   layouts; values within float32 rounding of ATen's (both exponentials are vectorized
   approximations). Above 2**18 multiply-adds with more than two intra-op threads, ATen's kernel.
+  Where the graph never reads the logsumexp (inference), ``fxrt::sdpa``: the same kernel
+  returning the output alone, which the arena holds through its ``out=`` overload.
 * ``fxrt::layer_norm``: ``aten::native_layer_norm`` when the graph uses only its first result
   (the normalized tensor; inference never reads the means and inverse standard deviations it
   also allocates and reshapes). On float32 contiguous CPU tensors it runs the same CPU kernel
@@ -57,6 +59,9 @@ OWN_OPS: dict[str, str] = {
 }
 # fxrt ops with all the results of their ATen op.
 _ALL_RESULTS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})
+# ATen op -> the fxrt op that returns only its first result, for nodes whose other results
+# nothing reads (the arena can hold it through its out= overload).
+_FIRST_RESULT: dict[str, str] = {"aten::_scaled_dot_product_flash_attention_for_cpu": "sdpa"}
 
 
 def available() -> dict[str, torch._ops.OpOverload]:
@@ -70,6 +75,13 @@ def available() -> dict[str, torch._ops.OpOverload]:
         if torch._C._dispatch_has_kernel(f"fxrt::{name}"):
             ops[aten_name] = getattr(torch.ops.fxrt, name).default
     return ops
+
+
+def _first_result(aten_name: str) -> torch._ops.OpOverload | None:
+    name = _FIRST_RESULT.get(aten_name)
+    if name is None or not torch._C._dispatch_has_kernel(f"fxrt::{name}"):
+        return None
+    return getattr(torch.ops.fxrt, name).default
 
 
 def available_op(name: str) -> torch._ops.OpOverload | None:
@@ -104,6 +116,11 @@ def use_own_ops(graph: Graph) -> Graph:
             if not static or used.intersection(node.outputs[1:]) or len(node.args) != 5:
                 continue
             node.outputs, node.multi = node.outputs[:1], False
+        elif node.op.name in _FIRST_RESULT and not used.intersection(node.outputs[1:]):
+            first = _first_result(node.op.name)
+            if first is not None:
+                op = first
+                node.outputs, node.multi = node.outputs[:1], False
         elif len(node.outputs) != 1 and node.op.name not in _ALL_RESULTS:
             continue
         node.op = Op.of(op)
