@@ -25,7 +25,7 @@ from fxrt.passes import eliminate_dead_code, fold_constants, fuse_attention, rem
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 FUSED = "aten::_scaled_dot_product_flash_attention_for_cpu"
 # What a compiled graph runs for it: fxrt's own op where the extension is built, else ATen's.
-RUNS_FUSED = {FUSED, "fxrt::attention"}
+RUNS_FUSED = {FUSED, "fxrt::attention", "fxrt::sdpa"}
 UNFUSED = {"aten::bmm", "aten::_softmax", "aten::masked_fill.Scalar"}
 
 

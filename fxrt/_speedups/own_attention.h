@@ -38,6 +38,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 namespace fxrt {
 
@@ -61,7 +62,7 @@ struct Head {
 
 constexpr int64_t kLanes = 16;  // the width of the blocks whose sums stay in vector registers
 
-// kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones...).
+// kLanes floats as one value (GCC's vector extension: one AVX-512 register).
 using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
 
 using IntLanes = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -77,26 +78,154 @@ constexpr Lanes kNegInf = {-kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kInf, -kIn
   return v;
 }
 
+// kLanes floats as two halves of kLanes / 2 (two AVX2 registers). Without AVX-512, GCC keeps a
+// 64-byte vector of its extension in memory, moving it in 8-byte pieces around every operation,
+// and turns each compare of one into a branch per lane (the kernel then ran 10x slower than
+// ATen's on AVX2); a pair of halves stays in registers. The attention kernel is written over
+// either (template parameter V): Lanes where the target has 16-float registers, Pair elsewhere.
+using Half = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+using IntHalf = int32_t __attribute__((vector_size(kLanes / 2 * sizeof(int32_t))));
+
+template <class H>
+struct Two {
+  H lo, hi;
+};
+using Pair = Two<Half>;
+using IntPair = Two<IntHalf>;
+
+#define FXRT_TWO_OP(op)                                                                      \
+  template <class H>                                                                         \
+  [[gnu::always_inline]] inline Two<H> operator op(Two<H> a, Two<H> b) {                     \
+    return {a.lo op b.lo, a.hi op b.hi};                                                     \
+  }                                                                                          \
+  template <class H, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>>             \
+  [[gnu::always_inline]] inline Two<H> operator op(Two<H> a, S s) {                          \
+    return {a.lo op s, a.hi op s};                                                           \
+  }                                                                                          \
+  template <class H, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>>             \
+  [[gnu::always_inline]] inline Two<H> operator op(S s, Two<H> a) {                          \
+    return {s op a.lo, s op a.hi};                                                           \
+  }                                                                                          \
+  template <class H, class B>                                                                \
+  [[gnu::always_inline]] inline Two<H>& operator op##=(Two<H>& a, B b) {                     \
+    return a = a op b;                                                                       \
+  }
+FXRT_TWO_OP(+)
+FXRT_TWO_OP(-)
+FXRT_TWO_OP(*)
+FXRT_TWO_OP(/)
+FXRT_TWO_OP(&)
+FXRT_TWO_OP(|)
+FXRT_TWO_OP(<<)
+FXRT_TWO_OP(>>)
+#undef FXRT_TWO_OP
+
+template <class H>
+[[gnu::always_inline]] inline Two<H> operator~(Two<H> a) {
+  return {~a.lo, ~a.hi};
+}
+
+// What the kernel does with a V of either kind.
+template <class V>
+struct Vec;
+
+template <>
+struct Vec<Lanes> {
+  using Int = IntLanes;
+  [[gnu::always_inline]] static Lanes load(const float* src) { return load_lanes(src); }
+  [[gnu::always_inline]] static void store(float* dst, const Lanes& v, int64_t m) {
+    std::memcpy(dst, &v, sizeof(float) * m);
+  }
+  [[gnu::always_inline]] static Lanes splat(float x) { return Lanes{} + x; }
+  [[gnu::always_inline]] static float lane(const Lanes& v, int64_t l) { return v[l]; }
+  [[gnu::always_inline]] static void set_lane(Lanes& v, int64_t l, float x) { v[l] = x; }
+  [[gnu::always_inline]] static IntLanes to_int(const Lanes& v) { return __builtin_convertvector(v, IntLanes); }
+  [[gnu::always_inline]] static IntLanes bits(const Lanes& v) { return __builtin_bit_cast(IntLanes, v); }
+  [[gnu::always_inline]] static Lanes floats(const IntLanes& v) { return __builtin_bit_cast(Lanes, v); }
+  // all ones where x is not at most c (NaN included)
+  [[gnu::always_inline]] static IntLanes not_at_most(const Lanes& x, float c) { return ~(x <= c); }
+  [[gnu::always_inline]] static Lanes iota_below(const Lanes& x, int64_t j0, int64_t n) {
+    return kIota + static_cast<float>(j0) < static_cast<float>(n) ? x : kNegInf;
+  }
+  [[gnu::always_inline]] static Lanes max(const Lanes& a, const Lanes& b) { return a > b ? a : b; }
+};
+
+template <>
+struct Vec<Pair> {
+  using Int = IntPair;
+  [[gnu::always_inline]] static Pair load(const float* src) {
+    Pair v;
+    std::memcpy(&v.lo, src, sizeof(Half));
+    std::memcpy(&v.hi, src + kLanes / 2, sizeof(Half));
+    return v;
+  }
+  [[gnu::always_inline]] static void store(float* dst, const Pair& v, int64_t m) {
+    constexpr int64_t h = kLanes / 2;
+    std::memcpy(dst, &v.lo, sizeof(float) * std::min(m, h));
+    if (m > h) {
+      std::memcpy(dst + h, &v.hi, sizeof(float) * (m - h));
+    }
+  }
+  [[gnu::always_inline]] static Pair splat(float x) { return {Half{} + x, Half{} + x}; }
+  [[gnu::always_inline]] static float lane(const Pair& v, int64_t l) { return l < kLanes / 2 ? v.lo[l] : v.hi[l - kLanes / 2]; }
+  [[gnu::always_inline]] static void set_lane(Pair& v, int64_t l, float x) {
+    if (l < kLanes / 2) {
+      v.lo[l] = x;
+    } else {
+      v.hi[l - kLanes / 2] = x;
+    }
+  }
+  [[gnu::always_inline]] static IntPair to_int(const Pair& v) {
+    return {__builtin_convertvector(v.lo, IntHalf), __builtin_convertvector(v.hi, IntHalf)};
+  }
+  [[gnu::always_inline]] static IntPair bits(const Pair& v) {
+    return {__builtin_bit_cast(IntHalf, v.lo), __builtin_bit_cast(IntHalf, v.hi)};
+  }
+  [[gnu::always_inline]] static Pair floats(const IntPair& v) {
+    return {__builtin_bit_cast(Half, v.lo), __builtin_bit_cast(Half, v.hi)};
+  }
+  [[gnu::always_inline]] static IntPair not_at_most(const Pair& x, float c) { return {~(x.lo <= c), ~(x.hi <= c)}; }
+  [[gnu::always_inline]] static Pair iota_below(const Pair& x, int64_t j0, int64_t n) {
+    constexpr Half lo = {0, 1, 2, 3, 4, 5, 6, 7};
+    const Half inf = Half{} - kInf;
+    const float j = static_cast<float>(j0), end = static_cast<float>(n);
+    return {lo + j < end ? x.lo : inf, lo + (j + kLanes / 2) < end ? x.hi : inf};
+  }
+  [[gnu::always_inline]] static Pair max(const Pair& a, const Pair& b) {
+    return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
+  }
+};
+
 // e^x for x <= 0, lane by lane (x below -87, -inf included, gives 0; NaN stays NaN, so that a NaN
 // score makes its row NaN, as eager's softmax does): Cephes' expf polynomial after reducing by
-// ln 2, within a few float32 ulps.
-[[gnu::always_inline]] inline Lanes exp_nonpositive(Lanes x) {
-  const Lanes round = x * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23: to nearest
-  const Lanes n = round - 12582912.0f;
-  const Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Lanes p = 1.9875691500e-4f + r * 0.0f;
+// ln 2, within a few float32 ulps. kCompare: the kept lanes by a compare (in attention's builds,
+// whose vectors the target compares natively); else by integer arithmetic, which vectorizes
+// whatever the target.
+template <class V, bool kCompare>
+[[gnu::always_inline]] inline V exp_nonpositive_v(V x) {
+  using T = Vec<V>;
+  const V round = x * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23: to nearest
+  const V n = round - 12582912.0f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = 1.9875691500e-4f + r * 0.0f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  IntLanes bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += __builtin_convertvector(n, IntLanes) << 23;
-  bits &= ~(x <= -87.0f);  // all ones where kept (NaN compares false: kept)
-  std::memcpy(&p, &bits, sizeof(p));
-  return p;
+  typename T::Int bits = T::bits(p);
+  bits += T::to_int(n) << 23;
+  if constexpr (kCompare) {
+    bits &= T::not_at_most(x, -87.0f);  // all ones where kept (NaN compares false: kept)
+  } else {
+    // x <= -87 as integers: negative, magnitude at least 87's bits, and not a NaN's (above
+    // infinity's); each test the sign of a difference that cannot overflow.
+    const typename T::Int xi = T::bits(x);
+    const typename T::Int mag = xi & 0x7fffffff;
+    bits &= ~((xi >> 31) & ~((mag - 0x42ae0000) >> 31) & ~((0x7f800000 - mag) >> 31));
+  }
+  return T::floats(bits);
 }
 
 inline int64_t padded(int64_t n) {
@@ -166,14 +295,27 @@ inline Keys lay_out_keys(
   return {kt, k, k_row, vp, Dp};
 }
 
+// The vector builds a CPU runs: AVX-512 (over Lanes), AVX2 with FMA (over Pair), or the
+// baseline (over Pair); decided once.
+enum class Width { k512, k256, kBase };
+
+inline Width vector_width() {
+  static const Width width = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+      return Width::k512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return Width::k256;
+    }
+    return Width::kBase;
+  }();
+  return width;
+}
+
 // The sum of x's lanes, halves added pairwise (each level's adds independent).
-[[gnu::always_inline]] inline float sum_lanes(Lanes x) {
-  using Half = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+[[gnu::always_inline]] inline float sum_half(Half h) {
   using Quarter = float __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-  Half lo, hi;
-  std::memcpy(&lo, &x, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  const Half h = lo + hi;
   Quarter a, b;
   std::memcpy(&a, &h, sizeof(a));
   std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof(a), sizeof(b));
@@ -181,19 +323,32 @@ inline Keys lay_out_keys(
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+[[gnu::always_inline]] inline float sum_lanes(Lanes x) {
+  Half lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  return sum_half(lo + hi);
+}
+
+[[gnu::always_inline]] inline float sum_lanes(Pair x) {
+  return sum_half(x.lo + x.hi);
+}
+
 // The scores of keys j0 .. j0 + kLanes - 1 (those below n) for one query row, as dot products
 // of rows (D a multiple of kLanes); lanes from n on are left for the caller's -inf.
-[[gnu::always_inline]] inline Lanes row_scores(
+template <class V>
+[[gnu::always_inline]] inline V row_scores(
     const float* q, const Keys& kv, int64_t j0, int64_t n, int64_t D) {
-  Lanes scores = {};
+  using T = Vec<V>;
+  V scores = {};
   const int64_t last = std::min(kLanes, n - j0);
   for (int64_t l = 0; l < last; ++l) {
     const float* k = kv.k + (j0 + l) * kv.k_row;
-    Lanes acc = load_lanes(q) * load_lanes(k);
+    V acc = T::load(q) * T::load(k);
     for (int64_t d0 = kLanes; d0 < D; d0 += kLanes) {
-      acc += load_lanes(q + d0) * load_lanes(k + d0);
+      acc += T::load(q + d0) * T::load(k + d0);
     }
-    scores[l] = sum_lanes(acc);
+    T::set_lane(scores, l, sum_lanes(acc));
   }
   return scores;
 }
@@ -203,7 +358,7 @@ inline Keys lay_out_keys(
 // held in registers: R independent sums per step, so the multiply-adds' latency overlaps. `p`
 // (R x Sp) is scratch. False when a row has no key left (ATen's call then computes the whole
 // problem). Inlined into run_head, compiled for each vector width.
-template <int64_t R>
+template <int64_t R, class V>
 [[gnu::always_inline]] inline bool head_rows(
     const Head& h,
     const Keys& kv,
@@ -213,6 +368,7 @@ template <int64_t R>
     float scale,
     bool causal,
     float* p) {
+  using T = Vec<V>;
   const int64_t Sp = padded(S);
   for (int64_t i0 = 0; i0 < L; i0 += R) {
     const int64_t rows = std::min(R, L - i0);
@@ -228,14 +384,14 @@ template <int64_t R>
     }
     const int64_t keys = *std::max_element(n.begin(), n.end());
     // Scores, block by block: scaled, masked, keys past n at -inf; each row's maximum.
-    std::array<Lanes, R> top;
-    top.fill(kNegInf);
+    std::array<V, R> top;
+    top.fill(T::splat(-kInf));
     for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
-      std::array<Lanes, R> acc{};
+      std::array<V, R> acc{};
       if (kv.kt != nullptr) {
         const float* tile = kv.kt + j0 * D;
         for (int64_t d = 0; d < D; ++d) {
-          const Lanes k = load_lanes(tile + d * kLanes);
+          const V k = T::load(tile + d * kLanes);
 #pragma GCC unroll 4  // kRows: the sums in registers (-O2 keeps a loop over them in memory)
           for (int64_t r = 0; r < R; ++r) {
             acc[r] += q[r][d] * k;
@@ -243,42 +399,42 @@ template <int64_t R>
         }
       } else {
         for (int64_t r = 0; r < R; ++r) {
-          acc[r] = row_scores(q[r], kv, j0, n[r], D);
+          acc[r] = row_scores<V>(q[r], kv, j0, n[r], D);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
-        Lanes a = acc[r] * scale;
+        V a = acc[r] * scale;
         if (m[r] != nullptr) {
-          Lanes add = {};
+          V add = {};
           for (int64_t l = 0; l < std::min(kLanes, n[r] - j0); ++l) {
-            add[l] = m[r][(j0 + l) * h.mask_col];
+            T::set_lane(add, l, m[r][(j0 + l) * h.mask_col]);
           }
           a += add;
         }
-        a = kIota + static_cast<float>(j0) < static_cast<float>(n[r]) ? a : kNegInf;
-        top[r] = top[r] > a ? top[r] : a;
-        std::memcpy(p + r * Sp + j0, &a, sizeof(a));
+        a = T::iota_below(a, j0, n[r]);
+        top[r] = T::max(top[r], a);
+        T::store(p + r * Sp + j0, a, kLanes);
       }
     }
     // Each row's softmax numerators (zero past its keys, up to the block's) and sum.
     std::array<float, R> inv;
     for (int64_t r = 0; r < rows; ++r) {
-      float max = top[r][0];
+      float max = T::lane(top[r], 0);
       for (int64_t l = 1; l < kLanes; ++l) {
-        max = std::max(max, top[r][l]);
+        max = std::max(max, T::lane(top[r], l));
       }
       if (max == -std::numeric_limits<float>::infinity()) {
         return false;
       }
-      Lanes total = {};
+      V total = {};
       for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
-        Lanes e = exp_nonpositive(load_lanes(p + r * Sp + j0) - max);
+        V e = exp_nonpositive_v<V, true>(T::load(p + r * Sp + j0) - max);
         total += e;
-        std::memcpy(p + r * Sp + j0, &e, sizeof(e));
+        T::store(p + r * Sp + j0, e, kLanes);
       }
       float sum = 0.0f;
       for (int64_t l = 0; l < kLanes; ++l) {
-        sum += total[l];
+        sum += T::lane(total, l);
       }
       inv[r] = 1.0f / sum;
       h.lse[(i0 + r) * h.lse_row] = max + std::log(sum);
@@ -293,13 +449,13 @@ template <int64_t R>
     constexpr int64_t C = kSums / R;
     for (int64_t d0 = 0; d0 < D; d0 += C * kLanes) {
       const int64_t blocks = std::min(C, (D - d0 + kLanes - 1) / kLanes);
-      std::array<std::array<Lanes, C>, R> acc{};
+      std::array<std::array<V, C>, R> acc{};
       for (int64_t j = 0; j < keys; ++j) {
         const float* vj = kv.v + j * kv.v_row + d0;
 #pragma GCC unroll 8  // kSums
         for (int64_t c = 0; c < C; ++c) {
           if (c < blocks) {
-            const Lanes v = load_lanes(vj + c * kLanes);
+            const V v = T::load(vj + c * kLanes);
 #pragma GCC unroll 4
             for (int64_t r = 0; r < R; ++r) {
               acc[r][c] += w[r][j] * v;
@@ -310,8 +466,7 @@ template <int64_t R>
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < blocks; ++c) {
           const int64_t d = d0 + c * kLanes;
-          const Lanes o = acc[r][c] * inv[r];
-          std::memcpy(h.out + (i0 + r) * h.out_row + d, &o, sizeof(float) * std::min(kLanes, D - d));
+          T::store(h.out + (i0 + r) * h.out_row + d, acc[r][c] * inv[r], std::min(kLanes, D - d));
         }
       }
     }
@@ -320,19 +475,46 @@ template <int64_t R>
 }
 
 // Picks the rows per step: kRows, or one at a time for fewer queries (a decoding step's one
-// query would otherwise compute kRows - 1 spare rows). Compiled for each vector width and picked
-// at load time.
-[[gnu::target_clones("avx512f", "avx2", "default")]] static bool run_head(
-    const Head& h,
-    const Keys& kv,
-    int64_t L,
-    int64_t S,
-    int64_t D,
-    float scale,
-    bool causal,
+// query would otherwise compute kRows - 1 spare rows).
+template <class V>
+[[gnu::always_inline]] inline bool run_head_for(
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
     float* p) {
-  return L >= kRows ? head_rows<kRows>(h, kv, L, S, D, scale, causal, p)
-                    : head_rows<1>(h, kv, L, S, D, scale, causal, p);
+  return L >= kRows ? head_rows<kRows, V>(h, kv, L, S, D, scale, causal, p)
+                    : head_rows<1, V>(h, kv, L, S, D, scale, causal, p);
+}
+
+// One build per vector width, picked at load time: AVX-512 over Lanes, AVX2 with FMA and the
+// baseline over Pair.
+[[gnu::target("avx512f")]] static bool run_head_avx512f(
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    float* p) {
+  return run_head_for<Lanes>(h, kv, L, S, D, scale, causal, p);
+}
+
+[[gnu::target("avx2,fma")]] static bool run_head_avx2(
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    float* p) {
+  return run_head_for<Pair>(h, kv, L, S, D, scale, causal, p);
+}
+
+static bool run_head_baseline(
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    float* p) {
+  return run_head_for<Pair>(h, kv, L, S, D, scale, causal, p);
+}
+
+inline bool run_head(
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    float* p) {
+  switch (vector_width()) {
+    case Width::k512:
+      return run_head_avx512f(h, kv, L, S, D, scale, causal, p);
+    case Width::k256:
+      return run_head_avx2(h, kv, L, S, D, scale, causal, p);
+    default:
+      return run_head_baseline(h, kv, L, S, D, scale, causal, p);
+  }
 }
 
 inline bool plain_f32(const at::Tensor& t) {

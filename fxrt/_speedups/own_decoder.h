@@ -207,46 +207,50 @@ inline void run_rms_norm(
 enum class Act { kSilu, kGeluTanh };
 
 // A lane block of `m` floats of `p` (zeros past `m`), and back. A whole block is one copy of a
-// constant size (a vector load or store); only the tail calls memcpy with its length.
-[[gnu::always_inline]] inline Lanes load_block(const float* p, int64_t m) {
-  Lanes v = {};
+// constant size (a vector load or store); only the tail copies its length.
+template <class V>
+[[gnu::always_inline]] inline V load_block(const float* p, int64_t m) {
   if (m == kLanes) {
-    std::memcpy(&v, p, sizeof(Lanes));
-  } else {
-    std::memcpy(&v, p, sizeof(float) * m);
+    return Vec<V>::load(p);
   }
-  return v;
+  alignas(64) float tail[kLanes] = {};
+  std::memcpy(tail, p, sizeof(float) * m);
+  return Vec<V>::load(tail);
 }
-[[gnu::always_inline]] inline void store_block(float* p, const Lanes& v, int64_t m) {
-  if (m == kLanes) {
-    std::memcpy(p, &v, sizeof(Lanes));
-  } else {
-    std::memcpy(p, &v, sizeof(float) * m);
-  }
+template <class V>
+[[gnu::always_inline]] inline void store_block(float* p, const V& v, int64_t m) {
+  Vec<V>::store(p, v, m);
 }
 
-[[gnu::always_inline]] inline Lanes activate(const Lanes& x, Act act) {
-  const Lanes zero = {};
+// The activations lane by lane, selecting with bit operations (each form equals the float
+// compare it replaces, -0 and NaN included, or differs only where both sides give one value).
+constexpr int32_t kSign = static_cast<int32_t>(0x80000000u);
+
+template <class V>
+[[gnu::always_inline]] inline V activate(const V& x, Act act) {
+  using T = Vec<V>;
+  const auto xb = T::bits(x);
   if (act == Act::kSilu) {
     // x / (1 + e^-x), with e^-|x| (never overflows) and x e^x / (1 + e^x) below zero
-    const Lanes neg = x < zero ? x : -x;
-    const Lanes e = exp_nonpositive(neg);
-    const Lanes one = zero + 1.0f;
-    return x * (x < zero ? e : one) / (1.0f + e);  // one division (x * 1 is x exactly)
+    const V e = exp_nonpositive_v<V, false>(T::floats(xb | kSign));  // e^-|x|
+    const auto below = xb >> 31;  // all ones where x's sign is set
+    const V pick = T::floats((T::bits(e) & below) | (T::bits(T::splat(1.0f)) & ~below));
+    return x * pick / (1.0f + e);  // one division (x * 1 is x exactly)
   }
   // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(|t|) = (1 - e) / (1 + e)
-  const Lanes t = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  const Lanes abs = t < zero ? -t : t;
-  const Lanes e = exp_nonpositive(-2.0f * abs);
-  Lanes th = (1.0f - e) / (1.0f + e);
-  th = t < zero ? -th : th;
-  th = t != t ? t : th;  // NaN stays NaN
-  return 0.5f * x * (1.0f + th);
+  const V t = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const auto tb = T::bits(t);
+  const auto mag = tb & 0x7fffffff;
+  const V e = exp_nonpositive_v<V, false>(-2.0f * T::floats(mag));
+  const V th = (1.0f - e) / (1.0f + e);  // >= 0
+  const auto nan = (0x7f800000 - mag) >> 31;  // all ones where t is NaN: it stays NaN
+  const auto signed_th = T::bits(th) | (tb & kSign);
+  return 0.5f * x * (1.0f + T::floats((tb & nan) | (signed_th & ~nan)));
 }
 
 // act(gate) * up over rows of n features; each operand's rows `*_row` apart. bfloat16: the
 // activation rounded to bfloat16, then the product (eager's two bfloat16 ops).
-template <class T>
+template <class T, class V>
 [[gnu::always_inline]] inline void gated_rows_body(
     const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row, int64_t rows,
     int64_t n, Act act) {
@@ -261,7 +265,7 @@ template <class T>
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
         const int64_t m = std::min(kLanes, n - i0);
-        store_block(orow + i0, activate(load_block(gr + i0, m), act) * load_block(ur + i0, m), m);
+        store_block(orow + i0, activate(load_block<V>(gr + i0, m), act) * load_block<V>(ur + i0, m), m);
       }
       continue;
     }
@@ -272,7 +276,7 @@ template <class T>
       }
       for (int64_t i0 = 0; i0 < len; i0 += kLanes) {
         const int64_t m = std::min(kLanes, len - i0);
-        store_block(af + i0, activate(load_block(gf + i0, m), act), m);
+        store_block(af + i0, activate(load_block<V>(gf + i0, m), act), m);
       }
       for (int64_t i = 0; i < len; ++i) {
         orow[c0 + i] = narrow<T>(rounded<T>(af[i]) * widen(ur[c0 + i]));
@@ -281,12 +285,35 @@ template <class T>
   }
 }
 
-#define FXRT_GATED_ROWS(T)                                                                  \
-  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void     \
-  gated_rows(                                                                               \
-      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,            \
-      int64_t rows, int64_t n, Act act) {                                                   \
-    gated_rows_body(g, g_row, u, u_row, o, o_row, rows, n, act);                            \
+// One build per vector width (attention_detail::vector_width), as fxrt::attention's: 16-float
+// vectors of GCC's extension only where the target has 16-float registers.
+#define FXRT_GATED_ROWS(T)                                                                   \
+  [[gnu::target("avx512f"), gnu::optimize("O3")]] static void gated_rows_avx512f(            \
+      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
+      int64_t rows, int64_t n, Act act) {                                                    \
+    gated_rows_body<T, Lanes>(g, g_row, u, u_row, o, o_row, rows, n, act);                   \
+  }                                                                                          \
+  [[gnu::target("avx2,fma"), gnu::optimize("O3")]] static void gated_rows_avx2(              \
+      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
+      int64_t rows, int64_t n, Act act) {                                                    \
+    gated_rows_body<T, Pair>(g, g_row, u, u_row, o, o_row, rows, n, act);                    \
+  }                                                                                          \
+  [[gnu::optimize("O3")]] static void gated_rows_baseline(                                   \
+      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
+      int64_t rows, int64_t n, Act act) {                                                    \
+    gated_rows_body<T, Pair>(g, g_row, u, u_row, o, o_row, rows, n, act);                    \
+  }                                                                                          \
+  inline void gated_rows(                                                                    \
+      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
+      int64_t rows, int64_t n, Act act) {                                                    \
+    switch (attention_detail::vector_width()) {                                              \
+      case attention_detail::Width::k512:                                                    \
+        return gated_rows_avx512f(g, g_row, u, u_row, o, o_row, rows, n, act);               \
+      case attention_detail::Width::k256:                                                    \
+        return gated_rows_avx2(g, g_row, u, u_row, o, o_row, rows, n, act);                  \
+      default:                                                                               \
+        return gated_rows_baseline(g, g_row, u, u_row, o, o_row, rows, n, act);              \
+    }                                                                                        \
   }
 FXRT_GATED_ROWS(float)
 FXRT_GATED_ROWS(c10::BFloat16)

@@ -17,7 +17,9 @@ namespace fxrt {
 namespace decoder_detail {
 
 
-using attention_detail::exp_nonpositive;
+using attention_detail::exp_nonpositive_v;
+using attention_detail::Pair;
+using attention_detail::Vec;
 using attention_detail::kLanes;
 using attention_detail::Lanes;
 using attention_detail::load_lanes;
