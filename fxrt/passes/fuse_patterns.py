@@ -236,7 +236,9 @@ def _made_args(m: Match) -> Iterable[Any]:
     todo = [*m.args, *m.kwargs.values()]
     while todo:
         a = todo.pop()
-        if isinstance(a, (View, Made)):
+        if isinstance(a, (list, tuple)):
+            todo.extend(a)
+        elif isinstance(a, (View, Made)):
             yield a
             todo.extend(a.args)
             todo.extend(getattr(a, "kwargs", {}).values())
