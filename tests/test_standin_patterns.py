@@ -176,14 +176,20 @@ NPU_OPS = {"rms_norm": "npu::npu_rms_norm", "add_rms_norm": "npu::npu_add_rms_no
            "gqa_causal": "npu::npu_fusion_attention"}  # fmt: skip
 
 
-def _run(dev, case: str, executor: str) -> list[fxrt.CompiledGraph]:
-    skip_unless_executor(executor)
-    make, inputs, _ = CASES[case]
+def models(case: str) -> tuple[nn.Module, nn.Module]:
+    """The case's block on the CPU (eager's answers) and the same weights on the device."""
+    make = CASES[case][0]
     torch.manual_seed(0)
     model = make()
     on_device = make()
     on_device.load_state_dict(model.state_dict())
-    on_device.to(standin.name())
+    return model, on_device.to(standin.name())
+
+
+def _run(dev, case: str, executor: str) -> list[fxrt.CompiledGraph]:
+    skip_unless_executor(executor)
+    inputs = CASES[case][1]
+    model, on_device = models(case)
     torch._dynamo.reset()
     compiled = torch.compile(
         on_device, backend="fxrt", options={"pure_python": executor == "python", "cache": False}
@@ -274,18 +280,14 @@ standin.load()
 import fxrt
 from conftest import recording_compiles
 from fxrt.patterns import use_targets_of
-from test_standin_patterns import CASES, _define_npu_ops
+from test_standin_patterns import CASES, _define_npu_ops, models
 
 _define_npu_ops()
 use_targets_of(standin.name(), "npu")
 counts, ops = [], set()
 for case in ("rotary_complex", "gqa_causal"):
-    make, inputs, _ = CASES[case]
-    torch.manual_seed(0)
-    model = make()
-    on_device = make()
-    on_device.load_state_dict(model.state_dict())
-    on_device.to(standin.name())
+    inputs = CASES[case][1]
+    model, on_device = models(case)
     torch._dynamo.reset()
     compiled = torch.compile(on_device, backend="fxrt")
     with recording_compiles() as built, torch.no_grad():

@@ -181,6 +181,11 @@ template <class V, bool kCompare>
   return T::floats(bits);
 }
 
+// n rounded up to whole blocks of kLanes.
+inline int64_t padded(int64_t n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
 // The vector builds a CPU runs: AVX-512 (over Lanes), AVX2 with FMA (over Pair), or the
 // baseline (over Pair); decided once.
 enum class Width { k512, k256, kBase };

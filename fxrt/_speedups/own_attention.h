@@ -59,10 +59,6 @@ struct Head {
   int64_t q_row, mask_row, mask_col, out_row, lse_row;
 };
 
-inline int64_t padded(int64_t n) {
-  return (n + kLanes - 1) / kLanes * kLanes;
-}
-
 constexpr int64_t kRows = 4;  // queries computed together: independent sums hide FMA latency
 constexpr int64_t kSums = 8;  // vector sums a step of the values' weighted sum keeps in registers
 
@@ -447,6 +443,15 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
       query, key, value, dropout_p, is_causal, attn_mask, scale);
 }
 
+// The fast path into `out` alone, the logsumexp into scratch.
+inline bool output_into(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, at::Tensor& out) {
+  c10::SmallVector<float, 1024> lse;
+  lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
+  return attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data());
+}
+
 // fxrt::sdpa: fxrt::attention's output alone (what inference reads; the logsumexp goes to
 // scratch), so that the arena can hold it through sdpa.out.
 inline at::Tensor sdpa(
@@ -459,9 +464,7 @@ inline at::Tensor sdpa(
     std::optional<double> scale) {
   if (attention_detail::fast_attention(query, key, value, dropout_p, attn_mask)) {
     at::Tensor out = at::empty_like(query);
-    c10::SmallVector<float, 1024> lse;
-    lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
-    if (attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data())) {
+    if (output_into(query, key, value, is_causal, attn_mask, scale, out)) {
       return out;
     }
   }
@@ -485,12 +488,9 @@ inline at::Tensor& sdpa_out(
       sized, "fxrt::sdpa.out: out has sizes ", out.sizes(), " but the attention's output has ",
       "[B, H, L, D] of query ", query.sizes(), " and value ", value.sizes());
   if (attention_detail::fast_attention(query, key, value, dropout_p, attn_mask) &&
-      out.scalar_type() == at::kFloat && out.stride(3) == 1) {
-    c10::SmallVector<float, 1024> lse;
-    lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
-    if (attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data())) {
-      return out;
-    }
+      out.scalar_type() == at::kFloat && out.stride(3) == 1 &&
+      output_into(query, key, value, is_causal, attn_mask, scale, out)) {
+    return out;
   }
   out.copy_(std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
       query, key, value, dropout_p, is_causal, attn_mask, scale)));
