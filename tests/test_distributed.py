@@ -165,8 +165,8 @@ def test_failing_rank_surfaces_through_timeout(launches):
     (code0, report0, log0), (code1, report1, log1) = launches["fail"].results()
     assert launches["fail"].elapsed < HARD_TIMEOUT_S
     assert code1 == 1 and "injected failure on rank 1" in report1.get("error", ""), log1
+    assert re.search(r"time[d ]?\s?out", report0.get("error", ""), re.IGNORECASE), (report0, log0)
     assert code0 == 1, log0
-    assert re.search(r"time[d ]?\s?out", report0.get("error", ""), re.IGNORECASE), report0
     assert report0["blocked_s"] >= PG_TIMEOUT_S * 0.9, report0
     assert report0["blocked_s"] < PG_TIMEOUT_S + 30, report0
 
@@ -285,7 +285,16 @@ def _worker(scenario: str, rank: int, port: int, out_dir: Path) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])))
+    exit_code = _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    if sys.argv[1] == "fail":
+        # The report is written. A process group whose collective timed out cannot be destroyed
+        # cleanly, and gloo's teardown at interpreter exit then aborts now and then ("terminate
+        # called without an active exception", exit -6; seen once in CI). What this test checks
+        # ends with the report, so the worker leaves without running C++ destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)
 
 
 @pytest.mark.parametrize("device", ["cuda", "npu"])
