@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -85,6 +86,8 @@ struct Vec;
 template <>
 struct Vec<Lanes> {
   using Int = IntLanes;
+  // Vector sums a step of attention's weighted sum of values keeps in registers (of 32).
+  static constexpr int64_t kSums = 8;
   [[gnu::always_inline]] static Lanes load(const float* src) { return load_lanes(src); }
   [[gnu::always_inline]] static void store(float* dst, const Lanes& v, int64_t m) {
     std::memcpy(dst, &v, sizeof(float) * m);
@@ -106,6 +109,8 @@ struct Vec<Lanes> {
 template <>
 struct Vec<Pair> {
   using Int = IntPair;
+  // Two registers each, of 16: eight sums would spill (with the value and weight loaded).
+  static constexpr int64_t kSums = 4;
   [[gnu::always_inline]] static Pair load(const float* src) {
     Pair v;
     std::memcpy(&v.lo, src, sizeof(Half));
@@ -148,6 +153,18 @@ struct Vec<Pair> {
     return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
   }
 };
+
+// N zero vectors, lane by lane: `std::array<V, N> a{}` zeroes them through memory (`rep stos`,
+// tens of cycles per block of scores), and the sums then start from memory.
+template <class V, size_t N>
+[[gnu::always_inline]] inline std::array<V, N> zeros() {
+  std::array<V, N> a;
+#pragma GCC unroll 8
+  for (size_t i = 0; i < N; ++i) {
+    a[i] = Vec<V>::splat(0.0f);
+  }
+  return a;
+}
 
 // e^x for x <= 0, lane by lane (x below -87, -inf included, gives 0; NaN stays NaN, so that a NaN
 // score makes its row NaN, as eager's softmax does): Cephes' expf polynomial after reducing by
@@ -223,6 +240,29 @@ inline Width vector_width() {
 
 [[gnu::always_inline]] inline float sum_lanes(Pair x) {
   return sum_half(x.lo + x.hi);
+}
+
+// The largest of x's lanes, halves compared pairwise as T::max does (a NaN lane may give NaN,
+// which makes the row NaN, as a NaN score does in eager).
+[[gnu::always_inline]] inline float max_half(Half h) {
+  using Quarter = float __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+  Quarter a, b;
+  std::memcpy(&a, &h, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof(a), sizeof(b));
+  const Quarter q = a > b ? a : b;
+  const float x = q[0] > q[2] ? q[0] : q[2], y = q[1] > q[3] ? q[1] : q[3];
+  return x > y ? x : y;
+}
+
+[[gnu::always_inline]] inline float max_lanes(Lanes x) {
+  Half lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  return max_half(lo > hi ? lo : hi);
+}
+
+[[gnu::always_inline]] inline float max_lanes(Pair x) {
+  return max_half(x.lo > x.hi ? x.lo : x.hi);
 }
 
 }  // namespace attention_detail

@@ -60,7 +60,6 @@ struct Head {
 };
 
 constexpr int64_t kRows = 4;  // queries computed together: independent sums hide FMA latency
-constexpr int64_t kSums = 8;  // vector sums a step of the values' weighted sum keeps in registers
 
 // One key/value head as the query heads that read it see it. `kt`: the keys in tiles of kLanes
 // keys, tile t at kt + t * D * kLanes holding feature d of its keys at d * kLanes (so a block of
@@ -176,7 +175,7 @@ template <int64_t R, class V>
     std::array<V, R> top;
     top.fill(T::splat(-kInf));
     for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
-      std::array<V, R> acc{};
+      std::array<V, R> acc = zeros<V, R>();
       if (kv.kt != nullptr) {
         const float* tile = kv.kt + j0 * D;
         for (int64_t d = 0; d < D; ++d) {
@@ -208,23 +207,17 @@ template <int64_t R, class V>
     // Each row's softmax numerators (zero past its keys, up to the block's) and sum.
     std::array<float, R> inv;
     for (int64_t r = 0; r < rows; ++r) {
-      float max = T::lane(top[r], 0);
-      for (int64_t l = 1; l < kLanes; ++l) {
-        max = std::max(max, T::lane(top[r], l));
-      }
+      const float max = max_lanes(top[r]);
       if (max == -std::numeric_limits<float>::infinity()) {
         return false;
       }
-      V total = {};
+      V total = T::splat(0.0f);
       for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
         V e = exp_nonpositive_v<V, true>(T::load(p + r * Sp + j0) - max);
         total += e;
         T::store(p + r * Sp + j0, e, kLanes);
       }
-      float sum = 0.0f;
-      for (int64_t l = 0; l < kLanes; ++l) {
-        sum += T::lane(total, l);
-      }
+      const float sum = sum_lanes(total);
       inv[r] = 1.0f / sum;
       h.lse[(i0 + r) * h.lse_row] = max + std::log(sum);
     }
@@ -235,13 +228,14 @@ template <int64_t R, class V>
     }
     // C feature blocks per pass over the values (R * C sums in registers), each value row read
     // once per pass: one pass for D up to C * kLanes.
-    constexpr int64_t C = kSums / R;
+    constexpr int64_t C = std::max<int64_t>(T::kSums / R, 1);
     for (int64_t d0 = 0; d0 < D; d0 += C * kLanes) {
       const int64_t blocks = std::min(C, (D - d0 + kLanes - 1) / kLanes);
-      std::array<std::array<V, C>, R> acc{};
+      std::array<std::array<V, C>, R> acc;
+      acc.fill(zeros<V, C>());
       for (int64_t j = 0; j < keys; ++j) {
         const float* vj = kv.v + j * kv.v_row + d0;
-#pragma GCC unroll 8  // kSums
+#pragma GCC unroll 8  // kSums, at most
         for (int64_t c = 0; c < C; ++c) {
           if (c < blocks) {
             const V v = T::load(vj + c * kLanes);
