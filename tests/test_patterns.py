@@ -69,9 +69,10 @@ def adversarial(shape: tuple[int, ...]) -> list[torch.Tensor]:
 @needs_ops
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("outside", [False, True])
-def test_rms_norm_op_within_bound_of_eager(offset, outside):
-    w = torch.randn(64)
-    for x in adversarial((3, 5, 64)):
+@pytest.mark.parametrize("n", [64, 37, 5])  # whole lane blocks, a tail, a row shorter than one
+def test_rms_norm_op_within_bound_of_eager(offset, outside, n):
+    w = torch.randn(n) if n != 37 else None
+    for x in adversarial((3, 5, n)):
         expected = rms_eager(x, w, 1e-6, offset, outside)
         got = own("rms_norm")(x, w, 1e-6, offset, outside)
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6, equal_nan=True)

@@ -89,8 +89,14 @@ struct Vec<Lanes> {
   // Vector sums a step of attention's weighted sum of values keeps in registers (of 32).
   static constexpr int64_t kSums = 8;
   [[gnu::always_inline]] static Lanes load(const float* src) { return load_lanes(src); }
+  // The first m lanes; a whole vector as one store (a copy of a length not known at compile
+  // time goes through memory, 8 bytes at a time).
   [[gnu::always_inline]] static void store(float* dst, const Lanes& v, int64_t m) {
-    std::memcpy(dst, &v, sizeof(float) * m);
+    if (m == kLanes) {
+      std::memcpy(dst, &v, sizeof(v));
+    } else {
+      std::memcpy(dst, &v, sizeof(float) * m);
+    }
   }
   [[gnu::always_inline]] static Lanes splat(float x) { return Lanes{} + x; }
   [[gnu::always_inline]] static float lane(const Lanes& v, int64_t l) { return v[l]; }
@@ -119,6 +125,11 @@ struct Vec<Pair> {
   }
   [[gnu::always_inline]] static void store(float* dst, const Pair& v, int64_t m) {
     constexpr int64_t h = kLanes / 2;
+    if (m == kLanes) {
+      std::memcpy(dst, &v.lo, sizeof(Half));
+      std::memcpy(dst + h, &v.hi, sizeof(Half));
+      return;
+    }
     std::memcpy(dst, &v.lo, sizeof(float) * std::min(m, h));
     if (m > h) {
       std::memcpy(dst + h, &v.hi, sizeof(float) * (m - h));

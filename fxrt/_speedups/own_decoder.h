@@ -72,10 +72,13 @@ namespace decoder_detail {
 // --- rms_norm -----------------------------------------------------------------------------------
 
 // Each row: the sum (x + res, add_rms_norm) rounded to T and stored, the mean square of x in
-// float32 (summed in vector lanes: another order of additions than ATen's mean), the normalized
-// value rounded to T, then times (w + offset) rounded to T (float32: no rounding at all; bfloat16:
-// each step as eager's bfloat16 ops round it, the norm itself in float32 as models write it).
-template <class T>
+// float32 (summed in vector lanes, then the lanes pairwise: another order of additions than
+// ATen's mean), the normalized value rounded to T, then times (w + offset) rounded to T (float32:
+// no rounding at all; bfloat16: each step as eager's bfloat16 ops round it, the norm itself in
+// float32 as models write it). float32 rows go through V (GCC's vectorizer made a loop over a
+// 16-float array, on AVX2, slower than ATen's chain of six ops); bfloat16 rows through plain
+// loops, which widen and narrow as they vectorize.
+template <class T, class V>
 [[gnu::always_inline]] inline void rms_norm_rows_body(
     const T* x,
     const T* res,  // added to x first (add_rms_norm), or nullptr
@@ -87,6 +90,8 @@ template <class T>
     float eps,
     float offset,
     bool eps_outside) {
+  using Vt = Vec<V>;
+  constexpr bool kFloat = std::is_same_v<T, float>;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * n;
     T* yr = y + r * n;
@@ -98,25 +103,44 @@ template <class T>
       }
       xr = sr;
     }
-    float acc[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const float v = widen(xr[i + l]);
-        acc[l] += v * v;
-      }
-    }
     float total = 0.0f;
-    for (int64_t l = 0; l < kLanes; ++l) {
-      total += acc[l];
+    int64_t i = 0;
+    if constexpr (kFloat) {
+      V acc = Vt::splat(0.0f);
+      for (; i + kLanes <= n; i += kLanes) {
+        const V v = Vt::load(xr + i);
+        acc += v * v;
+      }
+      total = sum_lanes(acc);
+    } else {
+      float acc[kLanes] = {};
+      for (; i + kLanes <= n; i += kLanes) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float v = widen(xr[i + l]);
+          acc[l] += v * v;
+        }
+      }
+      for (int64_t l = 0; l < kLanes; ++l) {
+        total += acc[l];
+      }
     }
     for (; i < n; ++i) {
       total += widen(xr[i]) * widen(xr[i]);
     }
     const float ms = total / static_cast<float>(n);
-    // One loop per case, each branch-free (so that it vectorizes).
+    // One loop per case, each branch-free.
     auto finish = [&](auto norm) {
-      if (w == nullptr) {
+      if constexpr (kFloat) {
+        const V off = Vt::splat(offset);
+        for (int64_t j = 0; j < n; j += kLanes) {
+          const int64_t m = std::min(kLanes, n - j);
+          V v = norm(load_block<V>(xr + j, m));
+          if (w != nullptr) {
+            v = offset == 0.0f ? v * load_block<V>(w + j, m) : v * (load_block<V>(w + j, m) + off);
+          }
+          store_block(yr + j, v, m);
+        }
+      } else if (w == nullptr) {
         for (int64_t j = 0; j < n; ++j) {
           yr[j] = narrow<T>(norm(widen(xr[j])));
         }
@@ -133,22 +157,19 @@ template <class T>
     };
     if (eps_outside) {
       const float d = std::sqrt(ms) + eps;
-      finish([d](float v) { return v / d; });
+      finish([d](auto v) { return v / d; });
     } else {
       const float inv = 1.0f / std::sqrt(ms + eps);
-      finish([inv](float v) { return v * inv; });
+      finish([inv](auto v) { return v * inv; });
     }
   }
 }
 
-// O3: the loops vectorized with their tails (-O2's cost model leaves loops of unknown length
-// scalar); no reassociation, so each element rounds as before.
-#define FXRT_RMS_NORM_ROWS(T)                                                             \
-  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3")]] static void \
-  rms_norm_rows(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows,         \
-                int64_t n, float eps, float offset, bool eps_outside) {                    \
-    rms_norm_rows_body(x, res, sum, w, y, rows, n, eps, offset, eps_outside);             \
-  }
+#define FXRT_RMS_NORM_ROWS(T)                                                               \
+  FXRT_PER_WIDTH(rms_norm_rows, rms_norm_rows_body, T,                                      \
+                 (const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows,         \
+                  int64_t n, float eps, float offset, bool eps_outside),                    \
+                 (x, res, sum, w, y, rows, n, eps, offset, eps_outside))
 FXRT_RMS_NORM_ROWS(float)
 FXRT_RMS_NORM_ROWS(c10::BFloat16)
 #undef FXRT_RMS_NORM_ROWS
@@ -205,22 +226,6 @@ inline void run_rms_norm(
 // --- gated --------------------------------------------------------------------------------------
 
 enum class Act { kSilu, kGeluTanh };
-
-// A lane block of `m` floats of `p` (zeros past `m`), and back. A whole block is one copy of a
-// constant size (a vector load or store); only the tail copies its length.
-template <class V>
-[[gnu::always_inline]] inline V load_block(const float* p, int64_t m) {
-  if (m == kLanes) {
-    return Vec<V>::load(p);
-  }
-  alignas(64) float tail[kLanes] = {};
-  std::memcpy(tail, p, sizeof(float) * m);
-  return Vec<V>::load(tail);
-}
-template <class V>
-[[gnu::always_inline]] inline void store_block(float* p, const V& v, int64_t m) {
-  Vec<V>::store(p, v, m);
-}
 
 // The activations lane by lane, selecting with bit operations (each form equals the float
 // compare it replaces, -0 and NaN included, or differs only where both sides give one value).
@@ -285,36 +290,11 @@ template <class T, class V>
   }
 }
 
-// One build per vector width (attention_detail::vector_width), as fxrt::attention's: 16-float
-// vectors of GCC's extension only where the target has 16-float registers.
-#define FXRT_GATED_ROWS(T)                                                                   \
-  [[gnu::target("avx512f"), gnu::optimize("O3")]] static void gated_rows_avx512f(            \
-      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
-      int64_t rows, int64_t n, Act act) {                                                    \
-    gated_rows_body<T, Lanes>(g, g_row, u, u_row, o, o_row, rows, n, act);                   \
-  }                                                                                          \
-  [[gnu::target("avx2,fma"), gnu::optimize("O3")]] static void gated_rows_avx2(              \
-      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
-      int64_t rows, int64_t n, Act act) {                                                    \
-    gated_rows_body<T, Pair>(g, g_row, u, u_row, o, o_row, rows, n, act);                    \
-  }                                                                                          \
-  [[gnu::optimize("O3")]] static void gated_rows_baseline(                                   \
-      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
-      int64_t rows, int64_t n, Act act) {                                                    \
-    gated_rows_body<T, Pair>(g, g_row, u, u_row, o, o_row, rows, n, act);                    \
-  }                                                                                          \
-  inline void gated_rows(                                                                    \
-      const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row,             \
-      int64_t rows, int64_t n, Act act) {                                                    \
-    switch (attention_detail::vector_width()) {                                              \
-      case attention_detail::Width::k512:                                                    \
-        return gated_rows_avx512f(g, g_row, u, u_row, o, o_row, rows, n, act);               \
-      case attention_detail::Width::k256:                                                    \
-        return gated_rows_avx2(g, g_row, u, u_row, o, o_row, rows, n, act);                  \
-      default:                                                                               \
-        return gated_rows_baseline(g, g_row, u, u_row, o, o_row, rows, n, act);              \
-    }                                                                                        \
-  }
+#define FXRT_GATED_ROWS(T)                                                                  \
+  FXRT_PER_WIDTH(gated_rows, gated_rows_body, T,                                            \
+                 (const T* g, int64_t g_row, const T* u, int64_t u_row, T* o, int64_t o_row, \
+                  int64_t rows, int64_t n, Act act),                                        \
+                 (g, g_row, u, u_row, o, o_row, rows, n, act))
 FXRT_GATED_ROWS(float)
 FXRT_GATED_ROWS(c10::BFloat16)
 #undef FXRT_GATED_ROWS

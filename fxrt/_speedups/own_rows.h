@@ -1,5 +1,5 @@
 // Helpers the decoder ops share (own_decoder.h, own_rotary.h): which tensors their fast paths
-// read, and their results' allocation.
+// read, their results' allocation, lane blocks and the per-vector-width builds.
 
 #pragma once
 
@@ -23,6 +23,7 @@ using attention_detail::Vec;
 using attention_detail::kLanes;
 using attention_detail::Lanes;
 using attention_detail::load_lanes;
+using attention_detail::sum_lanes;
 
 // A float32 or bfloat16 CPU tensor autograd will not record, whose last dimension is dense. (The
 // fast paths also need every operand of one dtype: same_dtype.)
@@ -88,6 +89,45 @@ inline int64_t row_stride(const at::Tensor& t) {
 inline at::Tensor contiguous_like(const at::Tensor& x) {
   return at::detail::empty_cpu(x.sizes(), x.scalar_type(), false, c10::MemoryFormat::Contiguous);
 }
+
+// A lane block of `m` floats of `p` (zeros past `m`), and back. A whole block is one copy of a
+// constant size (a vector load or store); only the tail copies its length.
+template <class V>
+[[gnu::always_inline]] inline V load_block(const float* p, int64_t m) {
+  if (m == kLanes) {
+    return Vec<V>::load(p);
+  }
+  alignas(64) float tail[kLanes] = {};
+  std::memcpy(tail, p, sizeof(float) * m);
+  return Vec<V>::load(tail);
+}
+template <class V>
+[[gnu::always_inline]] inline void store_block(float* p, const V& v, int64_t m) {
+  Vec<V>::store(p, v, m);
+}
+
+// One build per vector width (attention_detail::vector_width), as fxrt::attention's: 16-float
+// vectors of GCC's extension only where the target has 16-float registers. `name` calls
+// body<T, V> ARGS in the build the CPU runs. O3: the plain loops vectorized with their tails
+// (-O2's cost model leaves loops of unknown length scalar); no reassociation.
+#define FXRT_PER_WIDTH(name, body, T, PARAMS, ARGS)                                           \
+  [[gnu::target("avx512f"), gnu::optimize("O3")]] static void name##_avx512f PARAMS {         \
+    body<T, Lanes> ARGS;                                                                      \
+  }                                                                                           \
+  [[gnu::target("avx2,fma"), gnu::optimize("O3")]] static void name##_avx2 PARAMS {           \
+    body<T, Pair> ARGS;                                                                       \
+  }                                                                                           \
+  [[gnu::optimize("O3")]] static void name##_baseline PARAMS { body<T, Pair> ARGS; }          \
+  inline void name PARAMS {                                                                   \
+    switch (attention_detail::vector_width()) {                                               \
+      case attention_detail::Width::k512:                                                     \
+        return name##_avx512f ARGS;                                                           \
+      case attention_detail::Width::k256:                                                     \
+        return name##_avx2 ARGS;                                                              \
+      default:                                                                                \
+        return name##_baseline ARGS;                                                          \
+    }                                                                                         \
+  }
 
 }  // namespace decoder_detail
 }  // namespace fxrt
