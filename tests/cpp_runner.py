@@ -152,3 +152,10 @@ def configure(source: Path, work: Path, *defs: str) -> subprocess.CompletedProce
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run the runner (built first if needed) with ``args``."""
     return subprocess.run([str(build()), *args], capture_output=True, text=True, timeout=timeout)
+
+
+if __name__ == "__main__":  # `make test`'s set-up step: the build, before the suite's clock starts
+    try:
+        print(f"==> the C++ runtime and examples/cpp_runner: {build()}")
+    except Unavailable as e:  # the C++ tests skip with this reason; nothing else needs them
+        print(f"==> the C++ runtime is not built ({e}): tests/test_deploy_cpp.py will skip")
