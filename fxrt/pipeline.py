@@ -69,7 +69,7 @@ from .ir import Graph, from_fx
 from .ir.to_fx import to_fx
 from .ops.overrides import apply_kernel_overrides
 from .ops.own_ops import available as own_ops_available
-from .ops.own_ops import use_own_ops
+from .ops.own_ops import available_op, use_own_ops
 from .passes import DEFAULT_MAX_BYTES, PASSES, fold_constants, fuse_attention, fuse_patterns
 from .passes.assign_streams import assign_streams
 from .passes.fuse_attention import FUSED_ATTENTION
@@ -148,7 +148,7 @@ def _run_builtin(c: Compilation, fn: Callable[[Graph], Graph]) -> None:
         # Only where fxrt::attention will run the fused op: ATen's flash kernel costs more
         # than the unfused ops at the sizes it is for.
         if c.config.own_ops and FUSED_ATTENTION in own_ops_available():
-            c.graph = fuse_attention(c.graph)
+            c.graph = fuse_attention(c.graph, available_op("softcap_sdpa"))
     elif fn is fuse_patterns:
         c.graph = fuse_patterns(c.graph, c.config.disable_patterns, c.config.own_ops)
     else:

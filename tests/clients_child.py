@@ -93,6 +93,12 @@ CLIENTS: dict[str, Client] = {
         _causal_lm(hf.MistralForCausalLM, hf.MistralConfig, sliding_window=None), True, "logits"
     ),
     "gemma": Client(_causal_lm(hf.GemmaForCausalLM, hf.GemmaConfig, head_dim=16), True, "logits"),
+    # transformers soft-caps Gemma-2's attention scores in its eager attention only
+    "gemma2": Client(
+        lambda attn: _causal_lm(hf.Gemma2ForCausalLM, hf.Gemma2Config, head_dim=16)("eager"),
+        True,
+        "logits",
+    ),
     "bert": Client(_bert, False, "last_hidden_state"),
     "t5_encoder": Client(_t5_encoder, False, "last_hidden_state"),
     "opt": Client(_opt, True, "logits"),

@@ -1,8 +1,9 @@
 """Client-model tier: tiny random-weight HuggingFace ``transformers`` models through fxrt.
 
-GPT-2, Llama, Qwen2, Mistral, BERT, the T5 encoder and OPT, built from config objects (nothing is
-downloaded; 2 layers, hidden 64, vocab 128, fixed seed, eval mode, ``sdpa`` attention), on both
-fxrt loops, each compared with eager:
+GPT-2, Llama, Qwen2, Mistral, Gemma, Gemma-2, BERT, the T5 encoder and OPT, built from config
+objects (nothing is downloaded; 2 layers, hidden 64, vocab 128, fixed seed, eval mode, ``sdpa``
+attention; Gemma-2's ``eager`` attention, the one that soft-caps its scores), on both fxrt loops,
+each compared with eager:
 
 - forward through ``torch.compile(model, backend="fxrt")`` with ``dynamic=False`` and ``True``
   over a few (batch, sequence) shapes;
@@ -47,6 +48,8 @@ from fxrt.exec.program import Kernel
 FULL = os.environ.get("FXRT_CLIENTS", "quick") == "full"
 MODELS = list(CLIENTS)
 QUICK = MODELS if FULL else ["gpt2", "llama"]  # generate and warm runs
+WARM = QUICK if FULL else [*QUICK, "gemma2"]  # Gemma-2: the soft-capped attention's fused call
+INDUCTOR_MODELS = MODELS if FULL else [name for name in MODELS if name != "gemma2"]
 # dynamic=True forward; in the quick set GPT-2's dynamic shapes come from its generate test.
 DYNAMIC = MODELS if FULL else ["llama", "t5_encoder"]
 QUICK_DECODERS = [name for name in DECODERS if name in QUICK]
@@ -159,7 +162,16 @@ def test_generate(
 # adds with the norm after them (the last one the final norm), one rotary call (q and k) and one
 # gated MLP per layer. A change in transformers or in the matchers that stops a match fails here.
 DECODER_PATTERNS = {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 2}
-PATTERN_MODELS = ["llama", "qwen2", "mistral", "gemma"]
+# Gemma-2: four norms a layer (one fused with the residual add before it, two after a block's
+# output), GELU-tanh gated MLPs, and its soft-capped attention over un-repeated K/V heads.
+GEMMA2_PATTERNS = {
+    "rms_norm": 5, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 2, "gqa_softcap_attention": 2,
+}  # fmt: skip
+PATTERNS = {
+    **{name: DECODER_PATTERNS for name in ["llama", "qwen2", "mistral", "gemma"]},
+    "gemma2": GEMMA2_PATTERNS,
+}
+PATTERN_MODELS = list(PATTERNS)
 
 
 @pytest.mark.skipif(not native_available(), reason="the fused ops are fxrt's own (the extension)")
@@ -177,7 +189,7 @@ def test_decoder_patterns(name: str, dynamic: bool, executor: str, tmp_path: Pat
         check_forward(model, compiled, name, shapes)
     assert_ran_on(built, executor)
     assert len(built) == (1 if dynamic else len(shapes))  # dynamic: one compile for all lengths
-    assert [fxrt.pattern_counts(cg) for cg in built] == [DECODER_PATTERNS] * len(built)
+    assert [fxrt.pattern_counts(cg) for cg in built] == [PATTERNS[name]] * len(built)
 
 
 # The same decoders in bfloat16, as a CPU deployment casts them: Llama-family norms widen to
@@ -220,7 +232,7 @@ def run_child(cache_dir: Path, executor: str, run: str) -> dict[str, Any]:
         "FXRT_CACHE_DIR": str(cache_dir),
         "FXRT_PURE_PYTHON": "1" if executor == "python" else "0",
     }
-    args = ["--models", ",".join(QUICK), "--new-tokens", "16" if FULL else "4"]
+    args = ["--models", ",".join(WARM), "--new-tokens", "16" if FULL else "4"]
     proc = subprocess.run(
         [sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=900
     )
@@ -242,6 +254,7 @@ def test_warm_cache(executor: str, tmp_path: Path) -> None:
     # the loaded graphs hold the fused calls the compiled ones did (Llama's forward among them)
     assert warm["patterns"] == cold["patterns"]
     assert DECODER_PATTERNS in cold["patterns"], cold["patterns"]
+    assert GEMMA2_PATTERNS in cold["patterns"], cold["patterns"]
 
 
 # --- fxrt as Inductor's host-wrapper executor --------------------------------------------------
@@ -259,7 +272,7 @@ def fx_wrapper(executor: str, cache_dir: Path) -> Iterator[None]:
 
 @needs_cxx
 @pytest.mark.parametrize("executor", INDUCTOR_EXECUTORS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", INDUCTOR_MODELS)
 def test_inductor_forward(name: str, executor: str, tmp_path: Path) -> None:
     skip_unless_executor(executor)
     model = build(name)

@@ -822,6 +822,25 @@ def test_tanh_package(runner: Any, store: Path, tmp_path: Path) -> None:
                 torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-7)
 
 
+def test_softcap_attention_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """A package of Gemma-2's soft-capped attention names fxrt::softcap_sdpa, and fxrt.load
+    (both loops) and the C++ runtime give eager's values."""
+    from test_patterns_softcap import CappedAttention
+
+    torch.manual_seed(0)
+    model = CappedAttention(window=4).eval()
+    path = store / "softcap_attention.fxrt"
+    fxrt.export(model, (torch.randn(2, 9, 64),)).save(path)
+    assert "fxrt::softcap_sdpa" in fxrt.load(path).manifest["ops"]
+    for seed in (0, 1):
+        x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)) * 3
+        with torch.no_grad():
+            want = model(x)
+        cpp = _run_cpp(runner, path, [x], tmp_path)
+        for got in (cpp[0], *(_loaded(path, p)(x) for p in (False, True))):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 class _Attention(torch.nn.Module):
     # grouped-query causal attention, as a decoder block calls it: fxrt::sdpa into the arena
     def forward(self, q, k, v):

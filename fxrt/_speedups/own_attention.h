@@ -23,6 +23,8 @@
 
 #include "inline_ops.h"
 #include "lanes.h"
+#include "own_attention_keys.h"
+#include "own_tanh.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
@@ -51,95 +53,13 @@ constexpr int64_t kSerialThreads = 2;
 
 namespace attention_detail {
 
-struct Head {
-  const float* q;  // row i at q + i * q_row
-  const float* mask;  // element (i, j) at mask + i * mask_row + j * mask_col, or nullptr
-  float* out;  // row i at out + i * out_row
-  float* lse;  // element i at lse + i * lse_row
-  int64_t q_row, mask_row, mask_col, out_row, lse_row;
+// How a head's scores are made: scale * q k^T, soft-capped when cap is not 0 (cap * tanh(scores /
+// cap), Gemma-2's, before the mask), keys after the query's position dropped when causal.
+struct Scores {
+  float scale;
+  bool causal;
+  float cap;
 };
-
-constexpr int64_t kRows = 4;  // queries computed together: independent sums hide FMA latency
-
-// One key/value head as the query heads that read it see it. `kt`: the keys in tiles of kLanes
-// keys, tile t at kt + t * D * kLanes holding feature d of its keys at d * kLanes (so a block of
-// scores reads contiguous lanes, and writing a tile touches D cache lines, not D pages as one
-// transposed D x S matrix would for long S), zero past the last key; or nullptr, the scores then
-// being dot products of rows (row j at k + j * k_row), as for a decoding step's few queries, for
-// which laying the keys out would cost more than the scores. `v`: row j at v + j * v_row,
-// kLanes-padded rows when D is not a multiple of kLanes (a copy, zero where padded).
-struct Keys {
-  const float* kt;
-  const float* k;
-  int64_t k_row;
-  const float* v;
-  int64_t v_row;
-};
-
-// Whether L queries per head read the keys from tiles: a prompt's (kRows queries or more), and
-// any whose features are not a multiple of kLanes (rows' dot products load whole vectors).
-inline bool tiled_keys(int64_t L, int64_t D) {
-  return D % kLanes != 0 || L >= kRows;
-}
-
-// Lays out one key/value head (S keys of D features, rows at k_row and v_row) for L queries: in
-// `kt` (Sp * D floats) when tiled_keys, and, when its rows need padding, in `vp` (S * Dp floats).
-inline Keys lay_out_keys(
-    const float* k,
-    const float* v,
-    int64_t k_row,
-    int64_t v_row,
-    int64_t L,
-    int64_t S,
-    int64_t D,
-    float* kt,
-    float* vp) {
-  if (!tiled_keys(L, D)) {
-    return {nullptr, k, k_row, v, v_row};
-  }
-  for (int64_t j = 0; j < S; ++j) {
-    const float* src = k + j * k_row;
-    float* dst = kt + (j / kLanes) * D * kLanes + j % kLanes;
-    for (int64_t d = 0; d < D; ++d) {
-      dst[d * kLanes] = src[d];
-    }
-  }
-  for (int64_t j = S; j < padded(S); ++j) {
-    float* dst = kt + (j / kLanes) * D * kLanes + j % kLanes;
-    for (int64_t d = 0; d < D; ++d) {
-      dst[d * kLanes] = 0.0f;
-    }
-  }
-  if (D % kLanes == 0) {
-    return {kt, k, k_row, v, v_row};
-  }
-  const int64_t Dp = padded(D);
-  for (int64_t j = 0; j < S; ++j) {
-    std::memcpy(vp + j * Dp, v + j * v_row, sizeof(float) * D);
-    std::fill(vp + j * Dp + D, vp + (j + 1) * Dp, 0.0f);
-  }
-  return {kt, k, k_row, vp, Dp};
-}
-
-
-// The scores of keys j0 .. j0 + kLanes - 1 (those below n) for one query row, as dot products
-// of rows (D a multiple of kLanes); lanes from n on are left for the caller's -inf.
-template <class V>
-[[gnu::always_inline]] inline V row_scores(
-    const float* q, const Keys& kv, int64_t j0, int64_t n, int64_t D) {
-  using T = Vec<V>;
-  V scores = {};
-  const int64_t last = std::min(kLanes, n - j0);
-  for (int64_t l = 0; l < last; ++l) {
-    const float* k = kv.k + (j0 + l) * kv.k_row;
-    V acc = T::load(q) * T::load(k);
-    for (int64_t d0 = kLanes; d0 < D; d0 += kLanes) {
-      acc += T::load(q + d0) * T::load(k + d0);
-    }
-    T::set_lane(scores, l, sum_lanes(acc));
-  }
-  return scores;
-}
 
 // One query head: L queries over S keys of D features. Queries go R at a time, keys in blocks of
 // kLanes (scores) and features in blocks of kLanes (the weighted sum of values), each block's sums
@@ -153,8 +73,7 @@ template <int64_t R, class V>
     int64_t L,
     int64_t S,
     int64_t D,
-    float scale,
-    bool causal,
+    const Scores& s,
     float* p) {
   using T = Vec<V>;
   const int64_t Sp = padded(S);
@@ -168,10 +87,10 @@ template <int64_t R, class V>
       const int64_t i = i0 + std::min(r, rows - 1);
       q[r] = h.q + i * h.q_row;
       m[r] = h.mask != nullptr ? h.mask + i * h.mask_row : nullptr;
-      n[r] = causal ? std::min(i + 1, S) : S;
+      n[r] = s.causal ? std::min(i + 1, S) : S;
     }
     const int64_t keys = *std::max_element(n.begin(), n.end());
-    // Scores, block by block: scaled, masked, keys past n at -inf; each row's maximum.
+    // Scores, block by block: scaled, capped, masked, keys past n at -inf; each row's maximum.
     std::array<V, R> top;
     top.fill(T::splat(-kInf));
     for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
@@ -191,7 +110,12 @@ template <int64_t R, class V>
         }
       }
       for (int64_t r = 0; r < R; ++r) {
-        V a = acc[r] * scale;
+        V a = acc[r] * s.scale;
+        if (s.cap != 0.0f) {  // through the row's scratch: tanh is SLEEF's, one call a block
+          T::store(p + r * Sp + j0, a / s.cap, kLanes);
+          tanh_detail::kernel()(p + r * Sp + j0, p + r * Sp + j0, kLanes);
+          a = T::load(p + r * Sp + j0) * s.cap;
+        }
         if (m[r] != nullptr) {
           V add = {};
           for (int64_t l = 0; l < std::min(kLanes, n[r] - j0); ++l) {
@@ -261,42 +185,42 @@ template <int64_t R, class V>
 // query would otherwise compute kRows - 1 spare rows).
 template <class V>
 [[gnu::always_inline]] inline bool run_head_for(
-    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, const Scores& s,
     float* p) {
-  return L >= kRows ? head_rows<kRows, V>(h, kv, L, S, D, scale, causal, p)
-                    : head_rows<1, V>(h, kv, L, S, D, scale, causal, p);
+  return L >= kRows ? head_rows<kRows, V>(h, kv, L, S, D, s, p)
+                    : head_rows<1, V>(h, kv, L, S, D, s, p);
 }
 
 // One build per vector width, picked at load time: AVX-512 over Lanes, AVX2 with FMA and the
 // baseline over Pair.
 [[gnu::target("avx512f")]] static bool run_head_avx512f(
-    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, const Scores& s,
     float* p) {
-  return run_head_for<Lanes>(h, kv, L, S, D, scale, causal, p);
+  return run_head_for<Lanes>(h, kv, L, S, D, s, p);
 }
 
 [[gnu::target("avx2,fma")]] static bool run_head_avx2(
-    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, const Scores& s,
     float* p) {
-  return run_head_for<Pair>(h, kv, L, S, D, scale, causal, p);
+  return run_head_for<Pair>(h, kv, L, S, D, s, p);
 }
 
 static bool run_head_baseline(
-    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, const Scores& s,
     float* p) {
-  return run_head_for<Pair>(h, kv, L, S, D, scale, causal, p);
+  return run_head_for<Pair>(h, kv, L, S, D, s, p);
 }
 
 inline bool run_head(
-    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, float scale, bool causal,
+    const Head& h, const Keys& kv, int64_t L, int64_t S, int64_t D, const Scores& s,
     float* p) {
   switch (vector_width()) {
     case Width::k512:
-      return run_head_avx512f(h, kv, L, S, D, scale, causal, p);
+      return run_head_avx512f(h, kv, L, S, D, s, p);
     case Width::k256:
-      return run_head_avx2(h, kv, L, S, D, scale, causal, p);
+      return run_head_avx2(h, kv, L, S, D, s, p);
     default:
-      return run_head_baseline(h, kv, L, S, D, scale, causal, p);
+      return run_head_baseline(h, kv, L, S, D, s, p);
   }
 }
 
@@ -360,12 +284,15 @@ inline bool attention_into(
     const std::optional<at::Tensor>& attn_mask,
     std::optional<double> scale,
     at::Tensor& out,
-    float* ld) {
+    float* ld,
+    float cap = 0.0f) {
   using namespace attention_detail;
   const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
   const int64_t Hk = key.size(1), S = key.size(2);
-  const float s = scale.has_value() ? static_cast<float>(*scale)
-                                    : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const Scores scores{
+      scale.has_value() ? static_cast<float>(*scale)
+                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
+      is_causal, cap};
   at::Tensor mask;
   if (attn_mask.has_value() && attn_mask->defined()) {
     mask = attn_mask->expand({B, H, L, S});
@@ -407,7 +334,7 @@ inline bool attention_into(
             md != nullptr ? mask.stride(3) : 0,
             out.stride(row),
             fold ? 1 : H};
-        if (!run_head(h, kv, fold ? G : L, S, D, s, is_causal, p)) {
+        if (!run_head(h, kv, fold ? G : L, S, D, scores, p)) {
           return false;
         }
       }
@@ -440,10 +367,11 @@ inline std::tuple<at::Tensor, at::Tensor> attention(
 // The fast path into `out` alone, the logsumexp into scratch.
 inline bool output_into(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
-    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, at::Tensor& out) {
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale, at::Tensor& out,
+    float cap = 0.0f) {
   c10::SmallVector<float, 1024> lse;
   lse.resize_for_overwrite(static_cast<size_t>(query.size(0) * query.size(1) * query.size(2)));
-  return attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data());
+  return attention_into(query, key, value, is_causal, attn_mask, scale, out, lse.data(), cap);
 }
 
 // fxrt::sdpa: fxrt::attention's output alone (what inference reads; the logsumexp goes to

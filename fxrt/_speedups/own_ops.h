@@ -23,6 +23,9 @@
 // fxrt::sdpa: its output alone, with an out= overload (inference never reads the logsumexp; the
 //   arena holds the output).
 //
+// fxrt::softcap_sdpa: attention with soft-capped scores (Gemma-2's), with an out= overload
+//   (own_softcap.h).
+//
 // fxrt::tanh(Tensor self) -> Tensor, and its out= overload.
 //   aten::tanh on float32 CPU tensors computes through MKL's vector math (VML), which on this
 //   project's AMD machines takes 2.7 ns an element (64K elements: 178 us, against 24 us for
@@ -38,6 +41,8 @@
 #include "inline_ops.h"
 #include "own_attention.h"
 #include "own_decoder.h"
+#include "own_softcap.h"
+#include "own_tanh.h"
 
 #include <ATen/TensorIterator.h>
 #include <ATen/native/Activation.h>
@@ -51,18 +56,6 @@
 #include <cstring>
 #include <string_view>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-// SLEEF's vectorized tanhf within 1 ulp (what Inductor's CPU kernels call), exported by
-// libtorch_cpu; weak, so that a libtorch without them leaves the fast path off.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-extern "C" {
-[[gnu::weak]] __m512 Sleef_tanhf16_u10avx512f(__m512);
-[[gnu::weak]] __m256 Sleef_tanhf8_u10avx2(__m256);
-}
-#pragma GCC diagnostic pop
-#endif
 
 namespace fxrt {
 
@@ -201,57 +194,12 @@ inline at::Tensor& layer_norm_out(
 
 // --- tanh ---------------------------------------------------------------------------------------
 
+
 // Above this many elements, with more than one intra-op thread, aten::tanh (parallel) runs
 // (ATen's own grain for element-wise loops).
 constexpr int64_t kSerialTanh = 32768;
 
 namespace tanh_detail {
-
-using Rows = void (*)(const float*, float*, int64_t);
-
-#if defined(__x86_64__)
-// Whole vectors straight through; the tail through a zero-padded vector.
-#define FXRT_SLEEF_TANH(NAME, TARGET, WIDTH, LOAD, STORE, FN)            \
-  [[gnu::target(TARGET)]] static void NAME(const float* x, float* y, int64_t n) { \
-    int64_t i = 0;                                                         \
-    for (; i + WIDTH <= n; i += WIDTH) {                                   \
-      STORE(y + i, FN(LOAD(x + i)));                                       \
-    }                                                                      \
-    if (i < n) {                                                           \
-      float buf[WIDTH] = {};                                               \
-      std::memcpy(buf, x + i, sizeof(float) * (n - i));                    \
-      STORE(buf, FN(LOAD(buf)));                                           \
-      std::memcpy(y + i, buf, sizeof(float) * (n - i));                    \
-    }                                                                      \
-  }
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-FXRT_SLEEF_TANH(tanh_avx512, "avx512f", 16, _mm512_loadu_ps, _mm512_storeu_ps,
-                Sleef_tanhf16_u10avx512f)
-FXRT_SLEEF_TANH(tanh_avx2, "avx2,fma", 8, _mm256_loadu_ps, _mm256_storeu_ps,
-                Sleef_tanhf8_u10avx2)
-#pragma GCC diagnostic pop
-#undef FXRT_SLEEF_TANH
-#endif
-
-// The widest kernel this CPU runs and this libtorch exports, or nullptr.
-inline Rows pick() {
-#if defined(__x86_64__)
-  if (Sleef_tanhf16_u10avx512f != nullptr && __builtin_cpu_supports("avx512f")) {
-    return tanh_avx512;
-  }
-  if (Sleef_tanhf8_u10avx2 != nullptr && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma")) {
-    return tanh_avx2;
-  }
-#endif
-  return nullptr;
-}
-
-inline Rows kernel() {
-  static const Rows rows = pick();
-  return rows;
-}
 
 inline bool fast(const at::Tensor& self) {
   return kernel() != nullptr && self.defined() && plain_float(self) &&
@@ -302,6 +250,13 @@ TORCH_LIBRARY_FRAGMENT(fxrt, m) {
       "sdpa.out(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
       "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None, Tensor(a!) out) -> "
       "Tensor(a!)");
+  m.def(
+      "softcap_sdpa(Tensor query, Tensor key, Tensor value, float softcap, bool is_causal=False, "
+      "*, Tensor? attn_mask=None, float? scale=None) -> Tensor");
+  m.def(
+      "softcap_sdpa.out(Tensor query, Tensor key, Tensor value, float softcap, "
+      "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None, Tensor(a!) out) -> "
+      "Tensor(a!)");
   m.def("tanh(Tensor self) -> Tensor");
   m.def("tanh.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)");
 }
@@ -311,6 +266,7 @@ TORCH_LIBRARY_IMPL(fxrt, CompositeImplicitAutograd, m) {
   m.impl("layer_norm", TORCH_FN(fxrt::layer_norm));
   m.impl("attention", TORCH_FN(fxrt::attention));
   m.impl("sdpa", TORCH_FN(fxrt::sdpa));
+  m.impl("softcap_sdpa", TORCH_FN(fxrt::softcap_sdpa));
   m.impl("tanh", TORCH_FN(fxrt::tanh));
 }
 
@@ -318,5 +274,6 @@ TORCH_LIBRARY_IMPL(fxrt, CPU, m) {
   m.impl("gelu.out", TORCH_FN(fxrt::gelu_out));
   m.impl("layer_norm.out", TORCH_FN(fxrt::layer_norm_out));
   m.impl("sdpa.out", TORCH_FN(fxrt::sdpa_out));
+  m.impl("softcap_sdpa.out", TORCH_FN(fxrt::softcap_sdpa_out));
   m.impl("tanh.out", TORCH_FN(fxrt::tanh_out));
 }

@@ -23,6 +23,10 @@ tensor subclass), so nothing but the fast path differs from eager.
   approximations). Above 2**18 multiply-adds with more than two intra-op threads, ATen's kernel.
   Where the graph never reads the logsumexp (inference), ``fxrt::sdpa``: the same kernel
   returning the output alone, which the arena holds through its ``out=`` overload.
+* ``fxrt::softcap_sdpa``: attention with soft-capped scores (Gemma-2's ``softcap * tanh(scores
+  / softcap)`` before the mask), which ATen has no op for: :mod:`fxrt.passes.fuse_attention`
+  makes it of the chain written out, and ``fxrt::attention``'s kernel computes it (the cap
+  through SLEEF's ``tanhf``); off that fast path, eager's chain of ATen ops.
 * ``fxrt::layer_norm``: ``aten::native_layer_norm`` when the graph uses only its first result
   (the normalized tensor; inference never reads the means and inverse standard deviations it
   also allocates and reshapes). On float32 contiguous CPU tensors it runs the same CPU kernel

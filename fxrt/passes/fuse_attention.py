@@ -15,6 +15,9 @@ Matched, on static float32 CPU tensors ``q [B, H, L, D]``, ``k [B, H, S, D]``, `
 
 * scores ``bmm(view(q), view(transpose(k, -2, -1)))`` viewed back to ``[B, H, L, S]``;
 * an optional scale: ``div`` or ``mul`` by a number;
+* an optional soft cap after it, ``mul(tanh(div(scores, c)), c)`` (Gemma-2's; ``mul`` by ``1 /
+  c`` for the ``div`` when that is exact): the fused op is then ``fxrt::softcap_sdpa``, fxrt's
+  own (ATen has none), given by the caller; without it soft-capped attention keeps its ops;
 * an optional mask: ``masked_fill(scores, m, -inf)`` with ``m`` a constant boolean tensor (after
   constant folding, a mask made in ``forward`` is one), or a constant float32 bias added
   (``scores + m``, Meta's Llama: zeros and -inf) or subtracted (``scores - m``, ALiBi's
@@ -22,7 +25,8 @@ Matched, on static float32 CPU tensors ``q [B, H, L, D]``, ``k [B, H, S, D]``, `
   ``is_causal``; any other becomes an additive float mask. A row every key of which is masked
   (eager's softmax gives NaN there, the flash kernel zeros), or a bias holding NaN or +inf, stops
   the match;
-* ``_softmax(-1)``, then ``bmm(view(probs), view(v))`` viewed back to ``[B, H, L, D]``; q, k
+* ``_softmax(-1)`` (then the copy eval-mode dropout makes, if any), then ``bmm(view(probs),
+  view(v))`` viewed back to ``[B, H, L, D]``; q, k
   and v may be read through the contiguous copy matmul's decomposition makes of a strided
   operand (the copy goes with the rest: the pass removes what the fused op left unread);
 * every intermediate read only by the next step (a model that also returns its attention weights
@@ -67,6 +71,7 @@ class _Match:
     nodes: list[Node]  # scores bmm ... output view, in graph order
     out: int  # the [B, H, L, D] value the fused op replaces
     dropped: int | None  # the constant boolean mask the masked_fill read
+    softcap: float | None = None  # scores soft-capped: softcap * tanh(scores / softcap)
 
 
 class _Matcher:
@@ -136,7 +141,12 @@ class _Matcher:
             return None
         B, H, L, D = meta.shape
         expands: list[Node] = []
-        softmax = self.node(self.through_expand(probs3.args[0], expands), "aten::_softmax")
+        probs = self.through_expand(probs3.args[0], expands)
+        dropout = self.node(probs, "aten::clone")  # eval-mode dropout's copy (eager attention)
+        if dropout is not None and not dropout.kwargs:
+            expands.append(dropout)
+            probs = dropout.args[0]
+        softmax = self.node(probs, "aten::_softmax")
         if softmax is None or softmax.args[1] not in (-1, 3) or softmax.args[2]:
             return None
         S = self.meta(softmax.outputs[0]).shape[-1]
@@ -162,6 +172,9 @@ class _Matcher:
             zeros = bool((bias.expand(B, H, L, S)[tril] == 0).all())
             causal = zeros and bool((bias.expand(B, H, L, S)[~tril] == -math.inf).all())
             mask = None if causal or bool((bias == 0).all()) else bias
+        softcap, capped = self._softcap(x)
+        if capped:
+            x = capped[0].args[0]
         scale, scaled = 1.0, self.node(x, "aten::div.Tensor", "aten::mul.Tensor")
         if scaled is not None:
             c = scaled.args[1]
@@ -184,9 +197,27 @@ class _Matcher:
         k = k_node.args[0].id
         if not all(_usable(self.meta(t)) for t in (q, k, v)):
             return None
-        chain = (bmm1, scores4, scaled, masked, added, softmax, *expands, probs3, bmm2, out_view)
+        chain = (bmm1, scores4, scaled, *capped, masked, added, softmax, *expands, probs3, bmm2,
+                 out_view)  # fmt: skip
         nodes = [n for n in self.graph.nodes if any(n is c for c in chain)]
-        return _Match(q, k, v, scale, causal, mask, nodes, out, dropped)
+        return _Match(q, k, v, scale, causal, mask, nodes, out, dropped, softcap)
+
+    def _softcap(self, x: Any) -> tuple[float | None, list[Node]]:
+        """``x = mul(tanh(div(y, c)), c)`` (Gemma-2's soft cap; ``mul`` by ``1 / c`` for the
+        ``div``): ``(c, [div, tanh, mul])``; ``(None, [])`` otherwise."""
+        mul = self.node(x, "aten::mul.Tensor")
+        tanh = mul and self.node(mul.args[0], "aten::tanh")
+        inner = tanh and self.node(tanh.args[0], "aten::div.Tensor", "aten::mul.Tensor")
+        if not inner or mul.kwargs or inner.kwargs:
+            return None, []
+        c, d = mul.args[1], inner.args[1]
+        if type(c) not in (int, float) or type(d) not in (int, float):
+            return None, []
+        if not math.isfinite(c) or c == 0 or not math.isfinite(d) or d == 0:
+            return None, []
+        if (d if inner.op.name == "aten::div.Tensor" else 1.0 / d) != c:
+            return None, []
+        return float(c), [inner, tanh, mul]
 
     def _sole_reader(self, vid: int, names: frozenset[str]) -> Node | None:
         if self.uses[vid] != 1:
@@ -255,23 +286,28 @@ def _cpu_meta(fake: torch.Tensor) -> TensorMeta:
     return dataclasses.replace(tensor_meta(fake), device="cpu")
 
 
-def fuse_attention(graph: Graph) -> Graph:
+def fuse_attention(graph: Graph, softcap_op: torch._ops.OpOverload | None = None) -> Graph:
+    """Fuse the graph's written-out attentions (in place); return the graph. Soft-capped ones
+    become ``softcap_op`` (``fxrt::softcap_sdpa``; ATen has no such op), and stay as they are
+    without it."""
     if not any(n.op.name == "aten::_softmax" for n in graph.nodes):
         return graph  # most graphs: nothing to look at
     fused = False
-    while (match := _find(graph)) is not None:
-        _rewrite(graph, match)
+    while (match := _find(graph, softcap_op is not None)) is not None:
+        _rewrite(graph, match, softcap_op)
         fused = True
     # the reshapes and copies that fed the bmms go now, so that the fused patterns see the
     # attention's q, k and v read by it alone (grouped-query K/V heads, then, read un-repeated)
     return eliminate_dead_code(graph) if fused else graph
 
 
-def _find(graph: Graph) -> _Match | None:
+def _find(graph: Graph, softcap: bool) -> _Match | None:
     matcher = _Matcher(graph)
     root = None
     for node in graph.nodes:
         if node.op.name != "aten::bmm" or (m := matcher.match(node)) is None:
+            continue
+        if m.softcap is not None and not softcap:
             continue
         root = root or alias_roots(graph)
         if not _written_between(graph, m, root):
@@ -286,7 +322,7 @@ def _written_between(graph: Graph, m: _Match, root: tuple[int, ...]) -> bool:
     return any(root[w] in read for n in graph.nodes[first:last] for w in written_values(n))
 
 
-def _rewrite(graph: Graph, m: _Match) -> None:
+def _rewrite(graph: Graph, m: _Match, softcap_op: torch._ops.OpOverload | None) -> None:
     taken = {n.name for n in graph.nodes} | {v.name for v in graph.values}
     base = unique_name(taken, "attention")
     kwargs: dict[str, Any] = {"attn_mask": None, "scale": m.scale}
@@ -296,16 +332,23 @@ def _rewrite(graph: Graph, m: _Match) -> None:
         kwargs["attn_mask"] = Ref(mask)
     fake = [_fake(graph.values[v].meta) for v in (m.q, m.k, m.v)]
     mask_fake = None if m.mask is None else m.mask.to("meta")
-    out_fake, lse_fake = _FUSED(*fake, 0.0, m.causal, attn_mask=mask_fake, scale=m.scale)
-    out = graph.add_value(base, ValueKind.TENSOR, _cpu_meta(out_fake))
-    lse = graph.add_value(f"{base}_logsumexp", ValueKind.TENSOR, _cpu_meta(lse_fake))
+    qkv = (Ref(m.q), Ref(m.k), Ref(m.v))
+    if m.softcap is not None:
+        out_fake = softcap_op(*fake, m.softcap, m.causal, attn_mask=mask_fake, scale=m.scale)
+        out = graph.add_value(base, ValueKind.TENSOR, _cpu_meta(out_fake))
+        op, args, outputs = softcap_op, (*qkv, m.softcap, m.causal), [out]
+    else:
+        out_fake, lse_fake = _FUSED(*fake, 0.0, m.causal, attn_mask=mask_fake, scale=m.scale)
+        out = graph.add_value(base, ValueKind.TENSOR, _cpu_meta(out_fake))
+        lse = graph.add_value(f"{base}_logsumexp", ValueKind.TENSOR, _cpu_meta(lse_fake))
+        op, args, outputs = _FUSED, (*qkv, 0.0, m.causal), [out, lse]
     node = Node(
         base,
-        Op.of(_FUSED),
-        (Ref(m.q), Ref(m.k), Ref(m.v), 0.0, m.causal),
+        Op.of(op),
+        args,
         kwargs,
-        [out, lse],
-        multi=True,
+        outputs,
+        multi=len(outputs) > 1,
         stack_trace=m.nodes[-1].stack_trace,
     )
     at = graph.nodes.index(m.nodes[-1])

@@ -1,6 +1,9 @@
 """The built-in ``gqa_attention`` pattern (registered in :mod:`fxrt.patterns.builtin`): attention
 over K/V heads repeated for grouped-query attention, read un-repeated.
 
+The same for ``gqa_softcap_attention`` over fxrt's soft-capped attention (``fxrt::softcap_sdpa``,
+which :mod:`fxrt.passes.fuse_attention` makes of Gemma-2's written-out attention).
+
 Two anchors: the CPU's attention op (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA
 runs there), and the ``view`` that ends SDPA's math chain, what SDPA traces to on a device with
 no fused kernel behind it under torch.compile (an NPU's), whose only target is the NPU's
@@ -22,6 +25,7 @@ from .registry import Match, View
 _ADD = "aten::add.Tensor"
 _RESHAPES = ("aten::view", "aten::_unsafe_view", "aten::reshape")
 ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"
+SOFTCAP_ATTENTION = "fxrt::softcap_sdpa"  # soft-capped scores (fxrt.passes.fuse_attention)
 
 
 # --- grouped-query attention --------------------------------------------------------------------
@@ -73,7 +77,7 @@ def _unrepeated(index: GraphIndex, x: Any, heads: int) -> tuple[Any, list[Node]]
 
 
 def match_gqa(node: Node, index: GraphIndex) -> Match | None:
-    if node.op.name != ATTENTION:
+    if node.op.name not in (ATTENTION, SOFTCAP_ATTENTION):
         return _match_sdpa_math(node, index)
     q, k, v = node.args[:3]
     qm = index.meta(q)
@@ -204,4 +208,4 @@ def gqa_guard(match: Match, index: GraphIndex) -> bool:
     return not match.info.get("math") and index.is_float32_cpu(*match.args[:3])
 
 
-__all__ = ["ATTENTION", "gqa_guard", "match_gqa"]
+__all__ = ["ATTENTION", "SOFTCAP_ATTENTION", "gqa_guard", "match_gqa"]

@@ -30,9 +30,14 @@ Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in th
     Anchored on the CPU's attention op, and on the ``view`` that ends SDPA's math chain, what
     SDPA traces to on a device with no fused kernel behind it under torch.compile (an NPU's:
     :mod:`fxrt.patterns.attention`), whose only target is the NPU's.
+``gqa_softcap_attention``
+    the same over soft-capped attention (``fxrt::softcap_sdpa``, what
+    :mod:`fxrt.passes.fuse_attention` makes of Gemma-2's ``softcap * tanh(scores / softcap)``
+    written out); CPU only (no NPU target: ``torch_npu``'s attention has no soft cap).
 
 Targets: on the CPU fxrt's own ops (``fxrt::rms_norm``, ``fxrt::add_rms_norm``, ``fxrt::rotary``,
-``fxrt::rotary_complex``, ``fxrt::gated``; the attention op itself for ``gqa_attention``), for
+``fxrt::rotary_complex``, ``fxrt::gated``; the attention op itself for the two attention
+patterns), for
 float32 and bfloat16 tensors with the layouts their fast paths read; on Ascend NPUs
 ``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`), looked up only when a graph's tensors are
 on an NPU.
@@ -47,7 +52,7 @@ import torch
 
 from ..ir.graph import Node, Ref
 from . import npu
-from .attention import ATTENTION, gqa_guard, match_gqa
+from .attention import ATTENTION, SOFTCAP_ATTENTION, gqa_guard, match_gqa
 from .match import CAST, WIDENED, GraphIndex, is_contiguous, last_dim
 from .registry import Match, Target, register_pattern
 from .rotary import match_rotary, rotary_guard
@@ -323,7 +328,10 @@ def _gated_guard(match: Match, index: GraphIndex) -> bool:
 
 # --- registration -------------------------------------------------------------------------------
 
-BUILTIN = ("add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention")
+BUILTIN = (
+    "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention",
+    "gqa_softcap_attention",
+)  # fmt: skip
 
 
 def register_builtins() -> None:
@@ -358,6 +366,12 @@ def register_builtins() -> None:
         {"cpu": Target(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
                        gqa_guard), "npu": npu.attention},
         anchors=[ATTENTION, "aten::view"], doc="attention over un-repeated K/V heads",
+        _builtin=True,
+    )  # fmt: skip
+    register_pattern(
+        "gqa_softcap_attention", match_gqa,
+        {"cpu": Target(_own("softcap_sdpa"), gqa_guard)},
+        anchors=[SOFTCAP_ATTENTION], doc="soft-capped attention over un-repeated K/V heads",
         _builtin=True,
     )  # fmt: skip
 
