@@ -284,9 +284,10 @@ def _cos_sin(s: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angle.cos(), angle.sin()
 
 
-def compile_twice(model, make_inputs, executor, **options):
+def compile_twice(model, make_inputs, executor, programs=None, **options):
     """Compile ``model`` with fxrt on ``executor``, call it on two different inputs, compare each
-    with eager; return the pattern counts of the (single) graph it built."""
+    with eager; return the pattern counts of the graphs it built (their programs appended to
+    ``programs`` when given)."""
     skip_unless_executor(executor)
     torch._dynamo.reset()
     compiled = torch.compile(
@@ -297,6 +298,8 @@ def compile_twice(model, make_inputs, executor, **options):
             inputs = make_inputs(seed)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
     assert built and {cg.executor for cg in built} == {executor}
+    if programs is not None:
+        programs.extend(cg.program for cg in built)
     counts: dict[str, int] = {}
     for cg in built:
         for k, v in fxrt.pattern_counts(cg).items():

@@ -18,8 +18,8 @@ import math
 
 import pytest
 import torch
-from conftest import native_available, recording_compiles, skip_unless_executor
-from test_patterns import adversarial
+from conftest import native_available
+from test_patterns import adversarial, compile_twice, x_input
 from torch import nn
 
 import fxrt
@@ -148,19 +148,11 @@ class CappedAttention(nn.Module):
 
 def run_twice(model, executor, **options):
     """``model`` through torch.compile on ``executor``, called on two different inputs, each
-    equal to eager; the graph's pattern counts and how many fxrt::softcap_sdpa calls it runs."""
-    skip_unless_executor(executor)
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        model, backend="fxrt", options={"pure_python": executor == "python", **options}
-    )
-    with recording_compiles() as built, torch.no_grad():
-        for seed in (0, 1):
-            x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)) * 3
-            got, want = compiled(x), model(x)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(built) == 1 and built[0].executor == executor
-    return fxrt.pattern_counts(built[0]), str(built[0].program).count("fxrt::softcap_sdpa(")
+    equal to eager; its pattern counts and how many fxrt::softcap_sdpa calls it runs."""
+    programs = []
+    counts = compile_twice(model, x_input(2, 9, 64), executor, programs, **options)
+    assert len(programs) == 1
+    return counts, str(programs[0]).count("fxrt::softcap_sdpa(")
 
 
 @pytest.mark.parametrize("window", [None, 4], ids=["causal", "sliding"])
