@@ -864,3 +864,42 @@ def test_sdpa_package(runner: Any, store: Path, tmp_path: Path) -> None:
         cpp = _run_cpp(runner, path, args, tmp_path)
         for got in (cpp[0], *(_loaded(path, p)(*args) for p in (False, True))):
             torch.testing.assert_close(got, want)
+
+
+def test_multi_result_out_package(runner: Any, store: Path, tmp_path: Path) -> None:
+    """A decoder block's package stores add_rms_norm's and rotary's out= forms writing two arena
+    slots each; fxrt.load (both loops) and the C++ runtime give eager's values, and the C++
+    runtime refuses such an OUT whose slots run past the arena or that does not say multi."""
+    from test_patterns import Block, _block_inputs
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    path = store / "block.fxrt"
+    fxrt.export(model, _block_inputs(0)).save(path)
+    data = path.read_bytes()
+    code = _sections(data)[0]["program"]["code"]
+    multi = {i["out_op"]: i for i in code if i["kind"] == "OUT" and i["multi"]}
+    assert set(multi) == {"fxrt::add_rms_norm.out", "fxrt::rotary.out"}, multi
+    for seed in (1, 2):
+        inputs = list(_block_inputs(seed))
+        with torch.no_grad():
+            want = model(*inputs)
+        cpp = _run_cpp(runner, path, inputs, tmp_path)
+        for got in (cpp[0], *(_loaded(path, p)(*inputs) for p in (False, True))):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def forge(change: Any) -> bytes:
+        def edit(m: Any) -> None:
+            ins = next(i for i in m["program"]["code"] if i.get("out_op") == "fxrt::rotary.out")
+            change(m, ins)
+
+        return _forge(data, edit)
+
+    n_slots = len(_sections(data)[0]["program"]["arena"]["slots"])
+    cases = [
+        (lambda m, ins: ins.update(slot=n_slots - 1), "slot"),
+        (lambda m, ins: ins.update(multi=False), "malformed outputs"),
+    ]
+    results = _check(runner, [forge(c) for c, _ in cases], tmp_path)
+    for (outcome, msg), (_, match) in zip(results, cases):
+        assert outcome == "refused" and match in msg, (match, outcome, msg)

@@ -9,6 +9,7 @@
 #include "call.h"
 #include "decode.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,8 +27,12 @@ class RegisterCheck {
   }
   void define(int64_t r) { defined_.at(static_cast<size_t>(r)) = true; }
   void undefine(int64_t r) { defined_.at(static_cast<size_t>(r)) = false; }
-  void allow(int64_t r) { allowed_ = r; }  // an OUT's out= form reads its own result
-  bool defined(int64_t r) const { return defined_[static_cast<size_t>(r)] || r == allowed_; }
+  // An OUT's out= form reads its own results.
+  void allow(std::vector<int64_t> rs) { allowed_ = std::move(rs); }
+  bool defined(int64_t r) const {
+    return defined_[static_cast<size_t>(r)] ||
+        std::find(allowed_.begin(), allowed_.end(), r) != allowed_.end();
+  }
   int64_t use_ref(const json::Value& ref, const std::string& where) const {
     int64_t r = reg(ref, where);
     if (!defined(r)) {
@@ -38,7 +43,7 @@ class RegisterCheck {
 
  private:
   std::vector<bool> defined_;
-  int64_t allowed_ = -1;
+  std::vector<int64_t> allowed_;
 };
 
 // The arguments of a stored call (an encoded tuple).

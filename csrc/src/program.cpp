@@ -151,16 +151,15 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
     if (kind == "CALL") {
       exec->add_call_op(std::move(call));
     } else if (kind == "OUT") {
-      if (multi) {
-        fail(at + ": an OUT has one output");
-      }
+      // Its results are the slots from `slot` on, one per output (bind_call checked them).
+      const auto n_out = static_cast<int64_t>(outputs.size());
       int64_t slot = integer(member(ins, "slot", at), at + ": slot", 0,
-                             static_cast<int64_t>(slots.size()) - 1);
-      regs.allow(outputs[0]);
+                             static_cast<int64_t>(slots.size()) - n_out);
+      regs.allow(outputs);
       CallOp out = bind_call(
           op(member(ins, "out_op", at), at), member(ins, "out_args", at),
-          member(ins, "out_kwargs", at), outputs, false, regs, at + ": out= form");
-      regs.allow(-1);
+          member(ins, "out_kwargs", at), outputs, multi, regs, at + ": out= form");
+      regs.allow({});
       OutOp op{std::move(call), std::move(out), slot};
       if (const json::Value* form = ins.find("elementwise")) {
         std::string why;

@@ -43,7 +43,7 @@ cdef extern from "py_executor.h":
         void add_free(const vector[int64_t]& regs) except +set_python_error
         string add_call(object plain, cbool multi) except +set_python_error
         string add_out(
-            object plain, int64_t slot,
+            object plain, cbool multi, int64_t slot,
             object out_name, object out_overload, object out_args, object out_kwargs,
             const string& elementwise,
         ) except +set_python_error
@@ -186,14 +186,16 @@ cdef class Executor:
         return _why(self._impl().add_call(plain, multi))
 
     def add_out(
-        self, tuple plain, int64_t slot,
+        self, tuple plain, cbool multi, int64_t slot,
         str out_name, str out_overload, tuple out_args, dict out_kwargs, str elementwise="",
     ):
         """OUT: the plain form, and on calls with an arena ``out_name.out_overload(*out_args,
-        **out_kwargs)`` writing slot ``slot`` (its ``out`` reads the result register), or its
-        inline ``elementwise`` form when the tensors allow (elementwise.h)."""
+        **out_kwargs)`` writing slot ``slot`` (``multi``: output k writes slot ``slot + k``; the
+        written arguments read the result registers), or its inline ``elementwise`` form when
+        the tensors allow (elementwise.h)."""
         return _why(self._impl().add_out(
-            plain, slot, out_name, out_overload, out_args, out_kwargs, elementwise.encode()
+            plain, multi, slot, out_name, out_overload, out_args, out_kwargs,
+            elementwise.encode(),
         ))
 
     def add_alloc(self, tuple plain, int64_t slot, cbool cpu):

@@ -150,9 +150,9 @@ struct Elementwise {
   float scalar = 0.0f;
 };
 
-// OUT: with an arena, the result register gets slot `slot`'s tensor and `out` (the out= form,
-// whose `out` argument reads that register) writes it, or `elementwise` when it can; without an
-// arena, `call`.
+// OUT: with an arena, the result register gets slot `slot`'s tensor (a multi-result call's
+// output k: slot `slot` + k) and `out` (the out= form, whose written arguments read those
+// registers) writes it, or `elementwise` when it can; without an arena, `call`.
 struct OutOp {
   CallOp call;
   CallOp out;

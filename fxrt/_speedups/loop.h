@@ -383,6 +383,10 @@ class Executor : public Code {
         if (arena != nullptr) {
           const at::Tensor& slot = (*arena)[static_cast<size_t>(op.slot)];
           regs[static_cast<size_t>(op.call.outputs[0])] = slot;
+          for (size_t k = 1; k < op.call.outputs.size(); ++k) {  // a multi-result call's others
+            regs[static_cast<size_t>(op.call.outputs[k])] =
+                (*arena)[static_cast<size_t>(op.slot) + k];
+          }
           if (op.elementwise.loop != nullptr && run_elementwise(op.elementwise, regs, slot)) {
             return;
           }

@@ -40,7 +40,7 @@
 
 #include "inline_ops.h"
 #include "own_attention.h"
-#include "own_decoder.h"
+#include "own_decoder_ops.h"
 #include "own_softcap.h"
 #include "own_tanh.h"
 

@@ -1,5 +1,6 @@
-// fxrt::rotary, the rotary embedding of q and k in one call (see own_decoder.h for the op's
-// contract); registered with the other decoder ops in own_decoder.h.
+// The rotary embedding's kernels (the ops' contracts: own_decoder_ops.h, where they are
+// registered with the other decoder ops): the rotate-half / interleaved form over cos and sin,
+// and the complex-product form over (c, s) pairs.
 
 #pragma once
 
@@ -135,14 +136,19 @@ inline at::Tensor rope_out(const at::Tensor& x, bool cat_layout) {
   return cat_layout ? contiguous_like(x) : at::empty_like(x);
 }
 
-inline at::Tensor run_rotary(
+// Whether the fast paths can write `out` for x: x's sizes and dtype, rows of adjacent features.
+inline bool writable_for(const at::Tensor& out, const at::Tensor& x) {
+  return plain_rows(out) && same_dtype(out, x) && out.sizes().equals(x.sizes());
+}
+
+// The fast path into `out` (writable_for x).
+inline void rotary_into(
     const at::Tensor& x,
     const at::Tensor& cos,
     const at::Tensor& sin,
     int64_t rot,
     bool inter,
-    bool cat_layout) {
-  at::Tensor out = rope_out(x, cat_layout);
+    at::Tensor& out) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
     RopeRows<T> p{
@@ -158,6 +164,17 @@ inline at::Tensor run_rotary(
     }
   };
   x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
+}
+
+inline at::Tensor run_rotary(
+    const at::Tensor& x,
+    const at::Tensor& cos,
+    const at::Tensor& sin,
+    int64_t rot,
+    bool inter,
+    bool cat_layout) {
+  at::Tensor out = rope_out(x, cat_layout);
+  rotary_into(x, cos, sin, rot, inter, out);
   return out;
 }
 
@@ -247,8 +264,7 @@ inline bool fast_pairs(const at::Tensor& x, const at::Tensor& f) {
   return true;
 }
 
-inline at::Tensor run_pairs(const at::Tensor& x, const at::Tensor& f) {
-  at::Tensor out = contiguous_like(x);
+inline void pairs_into(const at::Tensor& x, const at::Tensor& f, at::Tensor& out) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
     PairRows<T> p{
@@ -262,7 +278,6 @@ inline at::Tensor run_pairs(const at::Tensor& x, const at::Tensor& f) {
     }
   };
   x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16()) : run(0.0f);
-  return out;
 }
 
 // The same as ATen ops on real pairs (the chain gpt-fast-style code writes).
@@ -278,45 +293,14 @@ inline at::Tensor pairs_reference(const at::Tensor& x, const at::Tensor& f) {
 }
 
 inline at::Tensor rotary_pairs(const at::Tensor& x, const at::Tensor& f) {
-  return fast_pairs(x, f) ? run_pairs(x, f) : pairs_reference(x, f);
+  if (!fast_pairs(x, f)) {
+    return pairs_reference(x, f);
+  }
+  at::Tensor out = contiguous_like(x);
+  pairs_into(x, f, out);
+  return out;
 }
 
 }  // namespace decoder_detail
-
-inline std::tuple<at::Tensor, at::Tensor> rotary(
-    const at::Tensor& q,
-    const at::Tensor& k,
-    const at::Tensor& cos,
-    const at::Tensor& sin,
-    int64_t rotary_dim,
-    bool interleaved) {
-  using namespace decoder_detail;
-  const int64_t rot = rotary_dim < 0 ? q.size(-1) : rotary_dim;
-  TORCH_CHECK(
-      rot <= q.size(-1) && rot <= k.size(-1) && rot % 2 == 0, "fxrt::rotary: rotary_dim ", rot,
-      " must be even and at most the features of q (", q.size(-1), ") and k (", k.size(-1), ")");
-  const bool cat_layout = rotary_dim >= 0;
-  if (fast_rotary(q, cos, sin, rot) && fast_rotary(k, cos, sin, rot)) {
-    return {
-        run_rotary(q, cos, sin, rot, interleaved, cat_layout),
-        run_rotary(k, cos, sin, rot, interleaved, cat_layout)};
-  }
-  return {
-      rotary_reference(q, cos, sin, rot, interleaved, cat_layout),
-      rotary_reference(k, cos, sin, rot, interleaved, cat_layout)};
-}
-
-inline std::tuple<at::Tensor, at::Tensor> rotary_complex(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs) {
-  using namespace decoder_detail;
-  TORCH_CHECK(
-      q.size(-1) % 2 == 0 && k.size(-1) % 2 == 0, "fxrt::rotary_complex: q and k need an even ",
-      "number of features (pairs), got ", q.size(-1), " and ", k.size(-1));
-  const at::Tensor f = freq_pairs(freqs);
-  TORCH_CHECK(
-      f.dim() >= 2 && f.size(-1) == 2, "fxrt::rotary_complex: freqs must be complex, or real ",
-      "(cos, sin) pairs in a last dimension of 2; got shape ", freqs.sizes());
-  return {rotary_pairs(q, f), rotary_pairs(k, f)};
-}
 
 }  // namespace fxrt

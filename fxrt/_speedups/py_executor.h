@@ -65,9 +65,11 @@ class PyExecutor : public Executor {
   }
 
   // OUT: the plain form, and its out= form `out_name`.`out_overload`(*out_args, **out_kwargs)
-  // writing arena slot `slot`; `elementwise` names its inline form (elementwise.h), if any.
+  // writing arena slot `slot` (`multi`: one slot per output, from `slot` on); `elementwise`
+  // names its inline form (elementwise.h), if any.
   std::string add_out(
       PyObject* plain,
+      bool multi,
       int64_t slot,
       PyObject* out_name,
       PyObject* out_overload,
@@ -76,13 +78,13 @@ class PyExecutor : public Executor {
       const std::string& elementwise) {
     Plain p(plain);
     std::string why;
-    std::optional<CallOp> call = bind(p, false, why);
+    std::optional<CallOp> call = bind(p, multi, why);
     if (!call.has_value()) {
       return why;
     }
     std::optional<CallOp> out = bind_call(
         py::cast<std::string>(out_name), py::cast<std::string>(out_overload), out_args,
-        out_kwargs, p.outputs, false, refs_, why);
+        out_kwargs, p.outputs, multi, refs_, why);
     if (!out.has_value()) {
       return "out= form: " + why;
     }
@@ -94,7 +96,7 @@ class PyExecutor : public Executor {
       }
       op.elementwise = *form;
     }
-    add_form(p, false);
+    add_form(p, multi);
     add_out_op(std::move(op));
     return "";
   }

@@ -13,8 +13,9 @@ altered is refused in Python too, not only run differently in C++)::
     nodes      node name per node index (errors name nodes)
     code       one object per instruction, in order, "kind" first:
                CALL    node, op, args, kwargs, outputs, multi
-               OUT     as CALL, and slot, out_op, out_args, out_kwargs; elementwise (add,
-                       sub, mul, clamp_min: fxrt.exec.elementwise) when it has that form
+               OUT     as CALL, and slot (with multi, output k is slot + k), out_op,
+                       out_args, out_kwargs; elementwise (add, sub, mul, clamp_min:
+                       fxrt.exec.elementwise) when it has that form
                ALLOC   as CALL, and slot, cpu
                VIEW    as CALL, and view, ints, strides, offset, always
                SYM     node, op (add, mul, ...: fxrt.exec.program.SYM_OPS), args, outputs

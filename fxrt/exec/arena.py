@@ -10,7 +10,10 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    made by an ATen call that either allocates uninitialized memory (the ``empty`` family: no call
    at all, the slot is the result) or has an ``out=`` overload with a kernel of its own on the
    value's device and exactly the functional overload's arguments plus ``out`` (``relu`` uses
-   ``clamp_min.out``, which is what ATen's relu calls). Random ops keep their functional call,
+   ``clamp_min.out``, which is what ATen's relu calls). An op with several results
+   (``max.dim``, ``fxrt::add_rms_norm``, ``fxrt::rotary``) gets a slot per result, side by
+   side in slot order, when every result can have one (its ``out=`` form, one written argument
+   per result, writes them all), else none. Random ops keep their functional call,
    so their generator draws stay those of eager. The arena is one buffer on one device: the one
    whose candidates hold the most bytes (the CPU on a tie); candidates on other devices keep
    their plain calls.
@@ -165,42 +168,49 @@ class ArenaError(AssertionError):
 
 @functools.cache
 def out_variant(op: torch._ops.OpOverload, device: str = "cpu") -> torch._ops.OpOverload | None:
-    """The ``out=`` overload that computes what ``op`` does into a given tensor on ``device`` (a
+    """The ``out=`` overload that computes what ``op`` does into given tensors on ``device`` (a
     device type), or None.
 
     It must take exactly ``op``'s arguments (names, types, kinds and defaults) plus one
-    kwarg-only ``Tensor(a!) out``, and have a kernel of its own for the device
-    (:func:`own_kernel`): the generated ``out=`` overloads that call the functional op and copy
-    its result would only add a copy (and an allocation).
+    kwarg-only written tensor per tensor ``op`` returns (``Tensor(a!) out``; for several
+    results, as many, in the order of the results, e.g. ``values, indices``), return them, and
+    have a kernel of its own for the device (:func:`own_kernel`): the generated ``out=``
+    overloads that call the functional op and copy its result would only add a copy (and an
+    allocation).
     """
     schema = op._schema
-    if len(schema.returns) != 1 or not isinstance(schema.returns[0].type, torch.TensorType):
+    n = len(schema.returns)
+    if n == 0 or not all(isinstance(r.type, torch.TensorType) for r in schema.returns):
         return None
-    if schema.returns[0].alias_info is not None or schema.is_mutable:
+    if any(r.alias_info is not None for r in schema.returns) or schema.is_mutable:
         return None
     if torch.Tag.nondeterministic_seeded in op.tags:
         return None
     want = [_arg_key(a) for a in schema.arguments]
     packet = op.overloadpacket
     for name in packet.overloads():
-        if name != "out" and not name.endswith("_out"):
-            continue
         cand = getattr(packet, name)
         args = cand._schema.arguments
-        if len(args) != len(want) + 1 or [_arg_key(a) for a in args[:-1]] != want:
+        if len(args) != len(want) + n or [_arg_key(a) for a in args[: len(want)]] != want:
             continue
-        out = args[-1]
-        if not (
-            out.kwarg_only
-            and isinstance(out.type, torch.TensorType)
-            and out.alias_info is not None
-            and out.alias_info.is_write
-            and len(cand._schema.returns) == 1
+        outs = args[len(want) :]
+        if len(cand._schema.returns) != n or not all(
+            a.kwarg_only
+            and isinstance(a.type, torch.TensorType)
+            and a.alias_info is not None
+            and a.alias_info.is_write
+            for a in outs
         ):
             continue
         if own_kernel(cand.name(), device):
             return cand
     return None
+
+
+def out_names(out: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The names of an :func:`out_variant`'s written arguments, in the order of its results."""
+    n = len(out._schema.returns)
+    return tuple(a.name for a in out._schema.arguments[-n:])
 
 
 _COMPOSITE_KEYS = (
@@ -244,15 +254,14 @@ def _placeable(graph: Graph, vid: int) -> bool:
 
 
 def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
-    """How ``node`` writes its result into an arena slot: ``(out= overload, args, kwargs)``
-    whose kwargs pass ``out`` as the node's own result register (the loop puts the slot's tensor
-    there first), ``(None, (), {})`` for an allocation, which needs no call, or None when it
-    cannot."""
-    if node.op.kind is not OpKind.ATEN or node.multi or is_collective(node.op.name):
+    """How ``node`` writes its results into arena slots: ``(out= overload, args, kwargs)``
+    whose kwargs pass each written argument (``out``; for several results, one per result) as
+    that result's own register (the loop puts the slots' tensors there first), ``(None, (), {})``
+    for an allocation, which needs no call, or None when it cannot."""
+    if node.op.kind is not OpKind.ATEN or is_collective(node.op.name):
         return None
     if node.op.name in ALLOCATING_OPS:
         return None if node.kwargs.get("pin_memory") is True else (None, (), {})
-    result = Ref(node.outputs[0])
     meta = graph.values[node.outputs[0]].meta
     device = "cpu" if meta is None else torch.device(meta.device).type
     if node.op.name == "aten::relu":
@@ -260,11 +269,15 @@ def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
         # overload is a generated one that copies.
         if meta.dtype is torch.bool or not own_kernel("aten::clamp_min.out", device):
             return None
-        return torch.ops.aten.clamp_min.out, (node.args[0], 0), {"out": result}
+        return torch.ops.aten.clamp_min.out, (node.args[0], 0), {"out": Ref(node.outputs[0])}
     out = out_variant(node.op.target, device)
     if out is None:
         return None
-    return out, node.args, {**node.kwargs, "out": result}
+    names = out_names(out)
+    if len(names) != len(node.outputs) or node.multi != (len(names) > 1):
+        return None
+    written = {name: Ref(v) for name, v in zip(names, node.outputs)}
+    return out, node.args, {**node.kwargs, **written}
 
 
 def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) -> ArenaPlan | None:
@@ -273,24 +286,26 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
     free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
     items = []
     for i, node in enumerate(graph.nodes):
-        if len(node.outputs) != 1:
-            continue
-        vid = node.outputs[0]
-        if vid not in plan.roots or vid in plan.pinned or vid not in free_at:
-            continue
-        if not _placeable(graph, vid):
+        # Every result of the node in a slot, or none (its out= form writes them all).
+        vids = node.outputs
+        if not vids or any(
+            v not in plan.roots or v in plan.pinned or v not in free_at or not _placeable(graph, v)
+            for v in vids
+        ):
             continue
         call = arena_call(graph, node)
         if call is None:
             continue
-        meta = graph.values[vid].meta
-        items.append((vid, int(meta.storage_nbytes), i, free_at[vid], call))
+        for vid in vids:
+            meta = graph.values[vid].meta
+            items.append((vid, int(meta.storage_nbytes), i, free_at[vid], call))
     by_device: dict[str, int] = {}
     for it in items:
         dev = graph.values[it[0]].meta.device
         by_device[dev] = by_device.get(dev, 0) + it[1]
     device = max(by_device, key=lambda d: (by_device[d], d == "cpu"), default="cpu")
-    items = [it for it in items if graph.values[it[0]].meta.device == device]
+    away = {it[2] for it in items if graph.values[it[0]].meta.device != device}  # their nodes
+    items = [it for it in items if it[2] not in away]  # a node's results all placed, or none
     if not items and not views:
         return None
     placed = SlotIndex(len(graph.nodes))
@@ -314,7 +329,9 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
             slot = Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call, before)
             placed.add(slot, *(whole if vid in shared else (first, last)))
             before = vid
-    slots = tuple(sorted(placed.slots, key=lambda s: s.first))
+    # In node order; a node's results in slots side by side, in the order of its outputs.
+    position = {v: k for n in graph.nodes if len(n.outputs) > 1 for k, v in enumerate(n.outputs)}
+    slots = tuple(sorted(placed.slots, key=lambda s: (s.first, position.get(s.value, 0))))
     guards = []
     for pos, vid in enumerate(graph.inputs):
         v = graph.values[vid]
@@ -332,7 +349,7 @@ def _in_place_chains(graph: Graph, items: list[tuple], shared: Any) -> list[list
     """``items`` (value, bytes, first node, last node, call) grouped in chains, in node order:
     each member after the first is written over the one before it in place, at its first node,
     where that one's slot ends (:func:`fxrt.exec.inplace.takes_over`); values on side streams
-    stay alone."""
+    stay alone, and so do a node's several results."""
     by_value = {it[0]: it for it in items}
     made_by = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     chain_of: dict[int, list[tuple]] = {}
@@ -340,7 +357,7 @@ def _in_place_chains(graph: Graph, items: list[tuple], shared: Any) -> list[list
     for it in sorted(items, key=lambda it: it[2]):
         vid, first = it[0], it[2]
         chain = None
-        if vid not in shared:
+        if vid not in shared and len(graph.nodes[first].outputs) == 1:  # a single result
             for owner in in_place_candidates(graph, made_by, first):
                 before = by_value.get(owner)
                 # Equal bytes: a dense operand with as many bytes as its owner's storage is all
@@ -379,8 +396,12 @@ def verify_arena(graph: Graph, plan: Plan, arena: ArenaPlan) -> None:
             raise ArenaError(f"slot of %{name[s.value]} at {s.offset}+{s.nbytes} is misplaced")
         if s.value in plan.pinned or free_at.get(s.value, -1) > s.last:
             raise ArenaError(f"%{name[s.value]} outlives its arena slot")
-        if graph.nodes[s.first].outputs != [s.value]:
+        if s.value not in graph.nodes[s.first].outputs:
             raise ArenaError(f"slot of %{name[s.value]}: node {s.first} does not make it")
+    for i, s in enumerate(arena.slots):  # a node's results: all in slots side by side, in order
+        outs = graph.nodes[s.first].outputs
+        if s.value == outs[0] and [t.value for t in arena.slots[i : i + len(outs)]] != outs:
+            raise ArenaError(f"the results of node {s.first} are not in slots side by side")
     by_value = {s.value: s for s in arena.slots}
     made_by = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     for s in arena.slots:
@@ -457,6 +478,7 @@ __all__ = [
     "ArenaPlan",
     "Slot",
     "arena_call",
+    "out_names",
     "out_variant",
     "own_kernel",
     "plan_arena",

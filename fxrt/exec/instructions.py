@@ -2,9 +2,10 @@
 
 =======  ===========================================================================================
 CALL     :class:`Call`: an ATen op through the dispatcher (boxed, every schema argument bound).
-OUT      :class:`OutCall`: on calls with an arena, the result is arena slot ``slot`` and the op's
-         ``out=`` form writes it; on calls without one, the plain call. (Should an ``out=`` kernel
-         refuse the slot, the plain call runs and raises its own error, if any.)
+OUT      :class:`OutCall`: on calls with an arena, the result is arena slot ``slot`` (a node's
+         several results: the slots from ``slot`` on, one per output) and the op's ``out=`` form
+         writes it; on calls without one, the plain call. (Should an ``out=`` kernel refuse the
+         slot, the plain call runs and raises its own error, if any.)
 ALLOC    :class:`Alloc`: uninitialized memory. On calls with an arena, slot ``slot`` is the result
          (no call). Otherwise, when ``cpu``: a constant CPU ``empty_strided`` made directly, as
          its CPU kernel makes it; else the plain call.
@@ -96,8 +97,9 @@ class Call(Step):
 
 @dataclass(frozen=True, slots=True)
 class OutCall(Call):
-    """OUT: with an arena, ``out_target(*out_args, **out_kwargs)`` writes slot ``slot``; its
-    ``out`` kwarg reads the result register, which holds the slot's tensor by then. With
+    """OUT: with an arena, ``out_target(*out_args, **out_kwargs)`` writes slot ``slot`` (with
+    ``multi``, output ``k`` is slot ``slot + k``); its written kwargs (``out``, or one per result)
+    read the result registers, which hold the slots' tensors by then. With
     ``elementwise``, the compiled loop writes it with a loop of its own when the tensors allow."""
 
     KIND: ClassVar[str] = "OUT"

@@ -74,7 +74,8 @@ def _step(ins: tuple, regs: list[Any], arena: list[Any] | None) -> None:
         return
     if kind is _OUT:
         _, _node, plain, out_fn, out_loaded, slot = ins
-        regs[plain[4][0]] = arena[slot]
+        for k, o in enumerate(plain[4]):  # a node's results: the slots from `slot` on
+            regs[o] = arena[slot + k]
         try:
             _invoke(out_fn, out_loaded, regs)  # writes the slot, passed as out=
             return

@@ -278,6 +278,7 @@ def _bind_out(ex: NativeLoop, ins: OutCall) -> str | None:
     out = ins.out_target._schema
     return ex.add_out(
         _plain(ins),
+        ins.multi,
         ins.slot,
         str(out.name),
         out.overload_name,

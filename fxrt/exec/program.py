@@ -326,8 +326,8 @@ def _stream_text(program: Program, ins: Stream, names: dict[int, str]) -> str:
 
 def _suffix(program: Program, ins: Instr, names: dict[int, str]) -> str:
     if isinstance(ins, Call) and ins.slot >= 0:
-        slot = program.arena.slots[ins.slot]
-        text = f" -> arena[{slot.offset}:{slot.offset + slot.nbytes}]"
+        slots = program.arena.slots[ins.slot : ins.slot + len(ins.outputs)]
+        text = " -> " + ", ".join(f"arena[{s.offset}:{s.offset + s.nbytes}]" for s in slots)
         if isinstance(ins, OutCall):
             out_name = Op.of(ins.out_target).name
             inline = f" (inline {ins.elementwise})" if ins.elementwise else ""
