@@ -134,7 +134,7 @@ inline at::Tensor& rms_norm_out(
       out.sizes().equals(input.sizes())) {
     run_rms_norm(input, nullptr, nullptr, w, eps, weight_offset, eps_outside, out);
   } else {
-    out.copy_(rms_norm_reference(input, w, eps, weight_offset, eps_outside));
+    out.copy_(rms_norm(input, weight, eps, weight_offset, eps_outside));
   }
   return out;
 }
@@ -199,7 +199,7 @@ inline at::Tensor& gated_out(
       out.sizes().equals(gate.sizes())) {
     run_gated(gate, up, act, out);
   } else {
-    out.copy_(gated_reference(gate, up, act));
+    out.copy_(gated(gate, up, activation));
   }
   return out;
 }
