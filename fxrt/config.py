@@ -56,6 +56,16 @@ def env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a number") from None
+
+
 def env_flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None:
@@ -128,6 +138,11 @@ class CompilerConfig:
             mode (each concurrent call needs its own; more are freed when their calls return).
             Default from ``FXRT_ARENA_MAX_IDLE`` (2). ``CompiledGraph.release_memory()`` frees
             them all.
+        arena_headroom: how far the arena may raise a call's peak memory above the lifetime
+            plan's own, as a fraction of it (the arena is held for the whole call): beyond
+            that (and past one page, 4 KiB), results leave the arena while that lowers the
+            peak. ``float("inf")`` keeps every slot. Default from ``FXRT_ARENA_HEADROOM``
+            (0.125).
         own_ops: use fxrt's own CPU ops where ATen's kernel choice costs more host time than
             the math (``aten::gelu`` on small float32 tensors; see :mod:`fxrt.ops.own_ops`), and
             the compiled loop's own loops for small float32 add, sub, mul and relu
@@ -195,6 +210,7 @@ class CompilerConfig:
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("FXRT_DUMP_DIR") or None)
     arena: bool = field(default_factory=lambda: env_flag("FXRT_ARENA", True))
     arena_max_idle: int = field(default_factory=lambda: env_int("FXRT_ARENA_MAX_IDLE", 2))
+    arena_headroom: float = field(default_factory=lambda: env_float("FXRT_ARENA_HEADROOM", 0.125))
     own_ops: bool = field(default_factory=_own_ops_default)
     disable_patterns: list[str] = field(default_factory=lambda: _env_list("FXRT_DISABLE_PATTERNS"))
     check_inputs: bool = field(default_factory=lambda: env_flag("FXRT_CHECK_INPUTS", True))
@@ -233,6 +249,12 @@ class CompilerConfig:
             raise ValueError(
                 f"fxrt: option 'streams' must be one of {', '.join(STREAM_MODES)}, "
                 f"got {self.streams!r}"
+            )
+        headroom = self.arena_headroom
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float) or headroom < 0:
+            raise ValueError(
+                f"fxrt: arena_headroom must be a number >= 0 (float('inf'): no limit), "
+                f"got {headroom!r}"
             )
         if self.max_streams < 1:
             raise ValueError(f"fxrt: max_streams must be at least 1, got {self.max_streams}")

@@ -18,7 +18,8 @@ import torch.fx
 
 from .config import CompilerConfig
 from .dump import Dumper
-from .exec.arena import ArenaPlan, plan_arena, verify_arena
+from .exec.arena import ArenaPlan, plan_arena
+from .exec.arena_verify import verify_arena
 from .exec.plan import Plan, plan_lifetimes
 from .exec.program import Program, lower
 from .exec.views import inline_views
@@ -83,7 +84,7 @@ def _plan_lifetimes(c: Compilation) -> None:
 
 def _plan_arena(c: Compilation) -> None:
     views = inline_views(c.graph)
-    c.arena = plan_arena(c.graph, c.plan, views)
+    c.arena = plan_arena(c.graph, c.plan, views, headroom=c.config.arena_headroom)
     c.views = views if c.arena is not None else frozenset()
 
 

@@ -13,7 +13,8 @@ from conftest import LoggingDispatchMode, native_available, run_in_threads
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
-from fxrt.exec.arena import ArenaError, out_variant, verify_arena
+from fxrt.exec.arena import out_variant
+from fxrt.exec.arena_verify import ArenaError, verify_arena
 from fxrt.exec.interp import PythonLoop
 from fxrt.exec.memory import memory_report
 from fxrt.exec.program import Call

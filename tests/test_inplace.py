@@ -13,7 +13,7 @@ from conftest import native_available, run_child, skip_unless_executor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxrt
-from fxrt.exec.arena import ArenaError, verify_arena
+from fxrt.exec.arena_verify import ArenaError, verify_arena
 from fxrt.exec.interp import PythonLoop
 
 

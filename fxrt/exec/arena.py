@@ -26,9 +26,20 @@ it can a place in an arena and calls the op's ``out=`` overload there:
    plus what it finds, not a scan of all of them. A chain of results written over one another in
    place (a pointwise op's result over an operand that dies at it, :mod:`fxrt.exec.inplace`) is
    placed as one item, busy from its first member's node to its last one's end.
-   :func:`verify_arena` checks the result with a sweep over node indices, not a test of every
-   pair of slots, so compiling stays near-linear in the graph's length.
-4. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
+   :func:`fxrt.exec.arena_verify.verify_arena` checks the result with a sweep over node
+   indices, not a test of every pair of slots, so compiling stays near-linear in the graph's
+   length.
+4. Peak. The arena is held whole for all of a call, so a call's peak is the arena's size plus
+   the most bytes allocated outside it at any node, which can be more than the lifetime plan's
+   own peak when the two maxima fall at different nodes (a decoder's widest attention tensors
+   in slots, its logits outside). Until it is at most ``CompilerConfig.arena_headroom`` (1/8
+   by default) or one page above the plan's, results leave the arena one node at a time (their nodes
+   allocate them again): of the nodes whose results are live where the slots hold the most,
+   the one whose results raise the peak outside the arena the least, then the largest; while
+   that does not raise the call's peak (the best arena met is kept). On decoders at one thread
+   the slots given back cost no speed beyond noise, and they keep GLM's peak (its 128-wide
+   heads' q and k in and out of the rotary in slots, its logits outside) under eager's.
+5. Views made inline. On the same calls (no autograd), a view (``view``, ``_unsafe_view``, ``t``,
    ``transpose``, ``permute``, ``split``) whose values never leave the graph, are never written
    and are only read by ops that return fresh results, or by such views, needs no view tracking:
    the compiled loop makes it as the op's CPU kernel does (a new TensorImpl on the same
@@ -47,8 +58,9 @@ compiled for. The arena stays allocated between calls: ``CompilerConfig(arena=Fa
 
 from __future__ import annotations
 
-import bisect
 import functools
+import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +74,7 @@ from .plan import Plan
 from .streams import shared_values
 
 ALIGNMENT = 64  # bytes; what PyTorch's CPU allocator guarantees for every allocation
+PAGE = 4096  # bytes; an arena raising a call's peak by less keeps every slot
 
 # Ops whose result is uninitialized memory: an arena slot serves as the result with no call.
 ALLOCATING_OPS = frozenset(
@@ -160,10 +173,6 @@ class ArenaPlan:
                 line += f" (in place of %{names[s.takes_over] if names else s.takes_over})"
             lines.append(line)
         return "\n".join(lines)
-
-
-class ArenaError(AssertionError):
-    """An arena plan that breaks its invariants (a bug in the planner)."""
 
 
 @functools.cache
@@ -280,9 +289,12 @@ def arena_call(graph: Graph, node: Any) -> tuple[Any, tuple, dict] | None:
     return out, node.args, {**node.kwargs, **written}
 
 
-def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) -> ArenaPlan | None:
+def plan_arena(
+    graph: Graph, plan: Plan, views: frozenset[int] = frozenset(), headroom: float = 0.125
+) -> ArenaPlan | None:
     """Place what can live in an arena (see the module docstring); None when nothing can and
-    there are no inline ``views`` (node indices) either."""
+    there are no inline ``views`` (node indices) either. ``headroom``: how far the arena may
+    raise a call's peak above the lifetime plan's, as a fraction of it."""
     free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
     items = []
     for i, node in enumerate(graph.nodes):
@@ -308,11 +320,45 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
     items = [it for it in items if it[2] not in away]  # a node's results all placed, or none
     if not items and not views:
         return None
-    placed = SlotIndex(len(graph.nodes))
     shared = shared_values(graph)  # on side streams: busy over the whole program
+    slots = _place(graph, items, shared)
+    # The arena is held whole all call long: where it would raise a call's peak past the
+    # lifetime plan's own and the headroom, results leave it (their nodes allocate them again)
+    # while that lowers the peak.
+    allowed = max(plan.peak_bytes * headroom, PAGE) if math.isfinite(headroom) else math.inf
+    excess = _excess(plan, slots)
+    best = (excess, slots)
+    while excess > allowed:
+        # A tie can take another step to an improvement (the widest moment inside the arena can
+        # come twice), a rise cannot; the best arena met is kept, with the most slots.
+        items = _evict(plan, items, slots)
+        if items is None:
+            break
+        placed = _place(graph, items, shared)
+        if (now := _excess(plan, placed)) > excess:
+            break
+        excess, slots = now, placed
+        best = min(best, (excess, slots), key=lambda b: b[0])
+    slots = best[1]
+    guards = []
+    for pos, vid in enumerate(graph.inputs):
+        v = graph.values[vid]
+        if v.kind is ValueKind.TENSOR and v.meta is not None and v.meta.is_static:
+            guards.append((pos, tuple(v.meta.shape), v.meta.dtype))
+    return ArenaPlan(
+        nbytes=_arena_bytes(slots),
+        slots=slots,
+        input_guards=tuple(guards),
+        device=device,
+    )
+
+
+def _place(graph: Graph, items: list[tuple], shared: Any) -> tuple[Slot, ...]:
+    """Offsets for ``items`` (value, bytes, first node, last node, call): greedy by size, each
+    chain of in-place results as one item; the slots in node order, a node's results side by
+    side in the order of its outputs."""
+    placed = SlotIndex(len(graph.nodes))
     whole = (0, max(len(graph.nodes) - 1, 0))
-    # Each chain of results written over one another in place (fxrt.exec.inplace) is placed as
-    # one item, busy from its first member's node to its last one's end; largest first.
     for chain in sorted(_in_place_chains(graph, items, shared), key=lambda c: (-c[0][1], c[0][2])):
         nbytes = chain[0][1]
         since, until = whole if chain[0][0] in shared else (chain[0][2], chain[-1][3])
@@ -329,20 +375,59 @@ def plan_arena(graph: Graph, plan: Plan, views: frozenset[int] = frozenset()) ->
             slot = Slot(vid, offset, nbytes, shape, stride, meta.dtype, first, last, *call, before)
             placed.add(slot, *(whole if vid in shared else (first, last)))
             before = vid
-    # In node order; a node's results in slots side by side, in the order of its outputs.
     position = {v: k for n in graph.nodes if len(n.outputs) > 1 for k, v in enumerate(n.outputs)}
-    slots = tuple(sorted(placed.slots, key=lambda s: (s.first, position.get(s.value, 0))))
-    guards = []
-    for pos, vid in enumerate(graph.inputs):
-        v = graph.values[vid]
-        if v.kind is ValueKind.TENSOR and v.meta is not None and v.meta.is_static:
-            guards.append((pos, tuple(v.meta.shape), v.meta.dtype))
-    return ArenaPlan(
-        nbytes=_align(max((s.offset + s.nbytes for s in slots), default=0)),
-        slots=slots,
-        input_guards=tuple(guards),
-        device=device,
-    )
+    return tuple(sorted(placed.slots, key=lambda s: (s.first, position.get(s.value, 0))))
+
+
+def _arena_bytes(slots: tuple[Slot, ...]) -> int:
+    return _align(max((s.offset + s.nbytes for s in slots), default=0))
+
+
+def _in_slots(n: int, slots: tuple[Slot, ...]) -> list[int]:
+    """Per node, the bytes of the slots whose values are live there."""
+    delta = [0] * (n + 1)
+    for s in slots:
+        lo, hi = max(s.first, 0), min(s.last, n - 1)
+        if lo <= hi:
+            delta[lo] += s.nbytes
+            delta[hi + 1] -= s.nbytes
+    return list(itertools.accumulate(delta[:n]))
+
+
+def _excess(plan: Plan, slots: tuple[Slot, ...]) -> int:
+    """By how many bytes the arena raises a call's peak above the lifetime plan's own: the arena
+    is held whole all call long, so a call's peak is its size plus the most bytes held outside
+    it at any node (0 for a plan with sizes only known at run time)."""
+    if plan.symbolic or not plan.live_bytes:
+        return 0
+    inside = _in_slots(len(plan.live_bytes), slots)
+    outside = max(b - a for b, a in zip(plan.live_bytes, inside))
+    return _arena_bytes(slots) + outside - plan.peak_bytes
+
+
+def _evict(plan: Plan, items: list[tuple], slots: tuple[Slot, ...]) -> list[tuple] | None:
+    """``items`` less one node's results (all of them), or None when no node's results are live
+    where the slots hold the most bytes. Of those that are, the node whose results, allocated
+    outside the arena instead, raise the peak outside it the least; then the one with the most
+    bytes there."""
+    inside = _in_slots(len(plan.live_bytes), slots)
+    widest = max(inside)
+    at = [i for i, b in enumerate(inside) if b == widest]
+    outside = [b - a for b, a in zip(plan.live_bytes, inside)]
+    top = max(outside)
+    spans: dict[int, tuple[int, int, int]] = {}  # node -> (bytes, first, last) of its results
+    for _, nbytes, first, last, _ in items:
+        b, lo, hi = spans.get(first, (0, first, last))
+        spans[first] = (b + nbytes, lo, max(hi, last))
+    scores = []
+    for node, (nbytes, lo, hi) in spans.items():
+        if any(lo <= i <= hi for i in at):
+            rise = max(0, max(outside[lo : hi + 1]) + nbytes - top)
+            scores.append((rise, -nbytes, node))
+    if not scores:
+        return None
+    gone = min(scores)[2]
+    return [it for it in items if it[2] != gone]
 
 
 def _in_place_chains(graph: Graph, items: list[tuple], shared: Any) -> list[list[tuple]]:
@@ -380,101 +465,8 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def verify_arena(graph: Graph, plan: Plan, arena: ArenaPlan) -> None:
-    """Check the arena's invariants: every slot inside the arena and aligned, holding a value the
-    lifetime plan frees no earlier than the slot's interval says, and no two slots whose
-    intervals overlap sharing a byte (found by a sweep, :func:`_live_overlap`; when several
-    pairs clash, the one named is the first the sweep meets, its lower slot index first).
-
-    Raises:
-        ArenaError: naming the values involved.
-    """
-    free_at = {v: i for i, vs in enumerate(plan.frees) for v in vs}
-    name = {v.id: v.name for v in graph.values}
-    for s in arena.slots:
-        if s.offset % ALIGNMENT or s.offset < 0 or s.offset + s.nbytes > arena.nbytes:
-            raise ArenaError(f"slot of %{name[s.value]} at {s.offset}+{s.nbytes} is misplaced")
-        if s.value in plan.pinned or free_at.get(s.value, -1) > s.last:
-            raise ArenaError(f"%{name[s.value]} outlives its arena slot")
-        if s.value not in graph.nodes[s.first].outputs:
-            raise ArenaError(f"slot of %{name[s.value]}: node {s.first} does not make it")
-    for i, s in enumerate(arena.slots):  # a node's results: all in slots side by side, in order
-        outs = graph.nodes[s.first].outputs
-        if s.value == outs[0] and [t.value for t in arena.slots[i : i + len(outs)]] != outs:
-            raise ArenaError(f"the results of node {s.first} are not in slots side by side")
-    by_value = {s.value: s for s in arena.slots}
-    made_by = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
-    for s in arena.slots:
-        if s.takes_over < 0:
-            continue
-        t = by_value.get(s.takes_over)
-        if s.takes_over not in in_place_candidates(graph, made_by, s.first):
-            raise ArenaError(
-                f"%{name[s.value]} takes over the slot of %{name[s.takes_over]}, which its op "
-                "does not read element for element with the same geometry"
-            )
-        if t is None or (t.offset, t.nbytes, t.last) != (s.offset, s.nbytes, s.first):
-            raise ArenaError(
-                f"%{name[s.value]} takes over a slot that does not end where it starts"
-            )
-    clash = _live_overlap(arena.slots)
-    if clash is not None:
-        a, b = (arena.slots[i] for i in sorted(clash))
-        raise ArenaError(
-            f"%{name[a.value]} and %{name[b.value]} are live together and overlap in the arena"
-        )
-
-
-def _live_overlap(slots: tuple[Slot, ...]) -> tuple[int, int] | None:
-    """Indices of two slots live at a common node (``a.first <= b.last and b.first <= a.last``)
-    that share a byte (``a.offset < b.end and b.offset < a.end``), or None.
-
-    A sweep over node indices instead of a test of every pair: slots start in order of ``first``
-    and leave once a later start is past their ``last``; the live ones are kept sorted by
-    ``(offset, end)``. While no two live slots share a byte, that order is a chain (each one
-    starts at or after the previous one ends), and a new slot that shares a byte with any live
-    slot shares one with the slot just before or just after its place in that order: those two
-    are the only ones tested. The first clash stops the sweep, so the chain property holds
-    throughout. Degenerate slots (negative size or ``first > last``, which the planner never
-    makes) are tested against every slot the old way.
-    """
-    sane = [i for i, s in enumerate(slots) if s.nbytes >= 0 and s.first <= s.last]
-    if len(sane) < len(slots):
-        for i, a in enumerate(slots):
-            if a.nbytes >= 0 and a.first <= a.last:
-                continue
-            for j, b in enumerate(slots):
-                if j != i and _clash(a, b):
-                    return i, j
-    by_end = sorted(sane, key=lambda i: slots[i].last)
-    live: list[tuple[int, int, int]] = []  # (offset, end, slot index), sorted
-    gone = 0
-    for i in sorted(sane, key=lambda i: slots[i].first):
-        s = slots[i]
-        while gone < len(by_end) and slots[by_end[gone]].last < s.first:
-            j = by_end[gone]
-            key = (slots[j].offset, slots[j].offset + slots[j].nbytes, j)
-            del live[bisect.bisect_left(live, key)]
-            gone += 1
-        key = (s.offset, s.offset + s.nbytes, i)
-        pos = bisect.bisect_left(live, key)
-        for _, _, j in live[max(pos - 1, 0) : pos + 1]:
-            if _clash(s, slots[j]):
-                return i, j
-        live.insert(pos, key)
-    return None
-
-
-def _clash(a: Slot, b: Slot) -> bool:
-    if a.takes_over == b.value or b.takes_over == a.value:
-        return False  # one writes over the other in place (verify_arena checked the hand-over)
-    live_together = a.first <= b.last and b.first <= a.last
-    return live_together and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
-
-
 __all__ = [
     "ALLOCATING_OPS",
-    "ArenaError",
     "ArenaPlan",
     "Slot",
     "arena_call",
@@ -482,5 +474,4 @@ __all__ = [
     "out_variant",
     "own_kernel",
     "plan_arena",
-    "verify_arena",
 ]

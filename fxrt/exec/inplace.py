@@ -26,7 +26,7 @@ graph decides; :func:`fxrt.exec.arena.plan_arena` adds the rest):
   while the result is.
 
 :func:`takes_over` lists the slots (their values: the storages' owners) a node's result may
-take over; :func:`fxrt.exec.arena.verify_arena` checks each hand-over with it.
+take over; :func:`fxrt.exec.arena_verify.verify_arena` checks each hand-over with it.
 """
 
 from __future__ import annotations
