@@ -251,7 +251,7 @@ class CompilerConfig:
                 f"got {self.streams!r}"
             )
         headroom = self.arena_headroom
-        if isinstance(headroom, bool) or not isinstance(headroom, int | float) or headroom < 0:
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not headroom >= 0:
             raise ValueError(
                 f"fxrt: arena_headroom must be a number >= 0 (float('inf'): no limit), "
                 f"got {headroom!r}"

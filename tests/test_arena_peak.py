@@ -79,7 +79,7 @@ def test_a_graph_whose_peaks_coincide_keeps_every_slot():
     )
 
 
-@pytest.mark.parametrize("bad", [-0.5, "1/8", True, None])
+@pytest.mark.parametrize("bad", [-0.5, math.nan, "1/8", True, None])
 def test_a_bad_headroom_is_named(bad):
     with pytest.raises(ValueError, match="arena_headroom must be a number >= 0"):
         compile_fn(peaks_apart, *inputs(0), arena_headroom=bad)
@@ -93,3 +93,45 @@ def test_the_headroom_from_the_environment(monkeypatch):
     monkeypatch.setenv("FXRT_ARENA_HEADROOM", "lots")
     with pytest.raises(ValueError, match="FXRT_ARENA_HEADROOM='lots': expected a number"):
         fxrt.CompilerConfig()
+
+
+_CHILD = """
+import json, math, sys
+import torch
+sys.path.insert(0, {tests!r})
+import fxrt
+from torch.fx.experimental.proxy_tensor import make_fx
+from test_arena_peak import inputs, peaks_apart, slotted
+out = {{}}
+for name, headroom in (("bounded", 0.125), ("unbounded", math.inf)):
+    gm = make_fx(peaks_apart)(*inputs(0))
+    cg = fxrt.compile_graph(gm, inputs(0), fxrt.CompilerConfig(arena_headroom=headroom))
+    args = inputs(5)
+    torch.testing.assert_close(cg(*args), peaks_apart(*args))
+    out[name] = sorted(slotted(cg))
+out["stats"] = dict(fxrt.cache.stats)
+print(json.dumps(out))
+"""
+
+
+def test_a_warm_process_places_the_arena_as_a_cold_one(tmp_path):
+    # The headroom is part of the cache key: each setting has its entry, and a hit in a second
+    # process gives the arena the miss gave.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = _CHILD.format(tests=os.path.dirname(__file__))
+    runs = []
+    for _ in ("cold", "warm"):
+        env = {**os.environ, "FXRT_CACHE_DIR": str(tmp_path / "cache")}
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    cold_stats, warm_stats = cold.pop("stats"), warm.pop("stats")
+    assert cold == warm and cold["bounded"] != cold["unbounded"], runs
+    assert cold_stats.get("stored", 0) == 2 and warm_stats.get("hit", 0) == 2, runs
