@@ -46,24 +46,22 @@ LEVELS: dict[int, tuple[str, ...]] = {
 }
 
 
-def env_int(name: str, default: int) -> int:
+def _env_number(name: str, default: Any, kind: type, what: str) -> Any:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
+        raise ValueError(f"environment variable {name}={raw!r}: expected {what}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    return _env_number(name, default, int, "an integer")
 
 
 def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r}: expected a number") from None
+    return _env_number(name, default, float, "a number")
 
 
 def env_flag(name: str, default: bool) -> bool:

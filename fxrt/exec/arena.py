@@ -147,21 +147,10 @@ class ArenaPlan:
     def live_bytes(self, plan: Plan) -> list[int]:
         """``plan.live_bytes`` with the arena counted instead of the values it holds: the bytes
         held after each node when the arena is used (static plans only)."""
-        n = len(plan.live_bytes)
-        delta = [0] * (n + 1)  # bytes of the slots that start (+) or end (-) at each node
-        for s in self.slots:
-            lo, hi = max(s.first, 0), min(s.last, n - 1)
-            if lo <= hi:
-                delta[lo] += s.nbytes
-                delta[hi + 1] -= s.nbytes
-        out = []
-        inside = 0
-        for i, b in enumerate(plan.live_bytes):
-            if not isinstance(b, int):
-                raise ValueError("live_bytes with an arena needs a static plan")
-            inside += delta[i]
-            out.append(b - inside + self.nbytes)
-        return out
+        if not all(isinstance(b, int) for b in plan.live_bytes):
+            raise ValueError("live_bytes with an arena needs a static plan")
+        inside = _in_slots(len(plan.live_bytes), self.slots)
+        return [b - a + self.nbytes for b, a in zip(plan.live_bytes, inside)]
 
     def text(self, names: dict[int, str] | None = None) -> str:
         lines = [f"arena: {self.nbytes} bytes, {len(self.slots)} slots"]
