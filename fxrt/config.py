@@ -148,10 +148,10 @@ class CompilerConfig:
             Default from ``FXRT_OWN_OPS`` (on). ``native_kernels`` and ``FXRT_NATIVE_KERNELS``
             are its deprecated old names.
         disable_patterns: names of fused patterns (:mod:`fxrt.patterns`) not to apply, built-in
-            (``add_rms_norm``, ``rms_norm``, ``rotary``, ``rotary_complex``, ``gated_mlp``,
-            ``gqa_attention``) or registered. Default from ``FXRT_DISABLE_PATTERNS``
-            (comma-separated; none). All of them: leave ``fuse_patterns`` out of ``passes``, or
-            ``opt_level=1``.
+            (``layer_norm``, ``add_rms_norm``, ``rms_norm``, ``rotary``, ``rotary_complex``,
+            ``gated_mlp``, ``gqa_attention``, ``gqa_softcap_attention``) or registered. Default
+            from ``FXRT_DISABLE_PATTERNS`` (comma-separated; none). All of them: leave
+            ``fuse_patterns`` out of ``passes``, or ``opt_level=1``.
         check_inputs: check every call's inputs against what the graph was compiled for (dtype,
             device, rank, static sizes and strides, size symbols bound consistently) and raise
             ``fxrt.InputError`` naming the input otherwise. Default from ``FXRT_CHECK_INPUTS``

@@ -99,6 +99,8 @@ CLIENTS: dict[str, Client] = {
         True,
         "logits",
     ),
+    # LayerNorm written out in ATen ops, widened to float32 (CohereLayerNorm)
+    "cohere": Client(_causal_lm(hf.CohereForCausalLM, hf.CohereConfig), True, "logits"),
     "bert": Client(_bert, False, "last_hidden_state"),
     "t5_encoder": Client(_t5_encoder, False, "last_hidden_state"),
     "opt": Client(_opt, True, "logits"),

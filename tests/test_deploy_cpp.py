@@ -841,6 +841,26 @@ def test_softcap_attention_package(runner: Any, store: Path, tmp_path: Path) -> 
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_layer_norm_package(runner: Any, store: Path, tmp_path: Path, dtype) -> None:
+    """A package of Cohere's written-out LayerNorm names fxrt::layer_norm_chain, and fxrt.load
+    (both loops) and the C++ runtime give eager's values bit for bit."""
+    from test_layer_norm_chain import CohereNorm
+
+    torch.manual_seed(0)
+    model = CohereNorm().to(dtype).eval()
+    path = store / f"layer_norm_{dtype}.fxrt".replace("torch.", "")
+    fxrt.export(model, (torch.randn(2, 9, 64).to(dtype),)).save(path)
+    assert "fxrt::layer_norm_chain" in fxrt.load(path).manifest["ops"]
+    for seed in (0, 1):
+        x = (torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+        with torch.no_grad():
+            want = model(x)
+        cpp = _run_cpp(runner, path, [x], tmp_path)
+        for got in (cpp[0], *(_loaded(path, p)(x) for p in (False, True))):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class _Attention(torch.nn.Module):
     # grouped-query causal attention, as a decoder block calls it: fxrt::sdpa into the arena
     def forward(self, q, k, v):

@@ -541,11 +541,11 @@ def test_a_made_argument_is_computed_before_the_call(executor):
 
 
 def test_builtins_are_registered_in_order():
-    assert list(registered_patterns())[:7] == [
-        "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention",
-        "gqa_softcap_attention",
+    assert list(registered_patterns())[:8] == [
+        "layer_norm", "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp",
+        "gqa_attention", "gqa_softcap_attention",
     ]  # fmt: skip
-    assert list(registered_patterns())[:7] == list(fxrt.patterns.BUILTIN)
+    assert list(registered_patterns())[:8] == list(fxrt.patterns.BUILTIN)
 
 
 @needs_ops

@@ -1,6 +1,7 @@
 """The fused patterns' NPU targets, selected on the stand-in device: stand-in kernels registered
-under torch_npu's op names (``npu::npu_rms_norm``, ...), the stand-in's device type mapped to the
-NPU targets (``fxrt.patterns.use_targets_of``), and the same blocks as tests/test_patterns.py
+under torch_npu's op names (``npu::npu_rms_norm``, ...; a written-out LayerNorm becomes
+``aten::native_layer_norm``, which torch_npu computes fused), the stand-in's device type mapped
+to the NPU targets (``fxrt.patterns.use_targets_of``), and the same blocks as tests/test_patterns.py
 compiled on the device: the graph calls the vendor's ops, chosen at compile time, and equals
 eager on the CPU, on both loops. Without the mapping the device has no targets and keeps the ATen
 ops. torch_npu itself is never imported.
@@ -15,6 +16,7 @@ import standin
 import torch
 import torch.nn.functional as F
 from conftest import recording_compiles, run_child, skip_unless_executor
+from test_layer_norm_chain import WrittenNorm
 from test_patterns import RepeatKV, Residual, RMSNorm, Rope, _cos_sin, rotate_half, rotate_pairs
 from test_patterns_complex import Rope as ComplexRope
 from torch import nn
@@ -137,6 +139,12 @@ def _keep(seed: int, *shape: int) -> torch.Tensor:
 
 
 CASES = {
+    # LayerNorm written out: aten's own layer norm, which torch_npu runs as one fused kernel
+    "layer_norm": (
+        lambda: WrittenNorm("convnext"),
+        lambda s: (_x(s, 2, 7, 64),),
+        {"layer_norm": 1},
+    ),
     "rms_norm": (lambda: RMSNorm(), lambda s: (_x(s, 2, 7, 32),), {"rms_norm": 1}),
     "add_rms_norm": (
         lambda: Residual(),
@@ -168,7 +176,8 @@ CASES = {
     ),
     "gqa_causal": (lambda: Causal(), lambda s: (_x(s, 2, 6, 32),), {"gqa_attention": 1}),
 }
-NPU_OPS = {"rms_norm": "npu::npu_rms_norm", "add_rms_norm": "npu::npu_add_rms_norm",
+NPU_OPS = {"layer_norm": "aten::native_layer_norm", "rms_norm": "npu::npu_rms_norm",
+           "add_rms_norm": "npu::npu_add_rms_norm",
            "rotary": "npu::npu_rotary_mul", "gated_mlp": "npu::npu_swiglu",
            "rotary_complex": "npu::npu_rotary_mul", "rotary_pairs": "npu::npu_rotary_mul",
            "gqa_attention": "npu::npu_fusion_attention",

@@ -23,6 +23,9 @@
 // fxrt::sdpa: its output alone, with an out= overload (inference never reads the logsumexp; the
 //   arena holds the output).
 //
+// fxrt::layer_norm_chain: LayerNorm written out in ATen ops, eager's chain bit for bit
+//   (own_layer_norm_chain.h).
+//
 // fxrt::softcap_sdpa: attention with soft-capped scores (Gemma-2's), with an out= overload
 //   (own_softcap.h).
 //
@@ -41,6 +44,7 @@
 #include "inline_ops.h"
 #include "own_attention.h"
 #include "own_decoder_ops.h"
+#include "own_layer_norm_chain.h"
 #include "own_softcap.h"
 #include "own_tanh.h"
 

@@ -76,13 +76,6 @@ template <class T>
   }
 }
 
-// NAME(const PARAMS<T>&), calling NAME_body: O3 as for rms_norm_rows, no contraction (each
-// product rounds before its sum, as eager's ops), one clone per vector width.
-#define FXRT_ROWS_KERNEL(NAME, PARAMS, T)                                                   \
-  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
-  static void NAME(const PARAMS<T>& p) {                                                    \
-    NAME##_body(p);                                                                         \
-  }
 FXRT_ROWS_KERNEL(rope_rows, RopeRows, float)
 FXRT_ROWS_KERNEL(rope_rows, RopeRows, c10::BFloat16)
 
@@ -239,7 +232,6 @@ template <class T>
 
 FXRT_ROWS_KERNEL(pair_rows, PairRows, float)
 FXRT_ROWS_KERNEL(pair_rows, PairRows, c10::BFloat16)
-#undef FXRT_ROWS_KERNEL
 
 // The frequencies as real (c, s) pairs: a complex tensor's real view, or the pairs themselves.
 inline at::Tensor freq_pairs(const at::Tensor& freqs) {

@@ -129,5 +129,13 @@ template <class V>
     }                                                                                         \
   }
 
+// NAME(const PARAMS<T>&), calling NAME_body: O3 as for rms_norm_rows (own_decoder.h), no
+// contraction (each product rounds before its sum, as eager's ops), one clone per vector width.
+#define FXRT_ROWS_KERNEL(NAME, PARAMS, T)                                                   \
+  [[gnu::target_clones("avx512f", "avx2", "default"), gnu::optimize("O3", "fp-contract=off")]] \
+  static void NAME(const PARAMS<T>& p) {                                                    \
+    NAME##_body(p);                                                                         \
+  }
+
 }  // namespace decoder_detail
 }  // namespace fxrt

@@ -1,7 +1,12 @@
 """The built-in patterns of a decoder block, registered when :mod:`fxrt.patterns` is imported.
 
 Each matcher accepts the math, in the spellings models trace to (checked on Llama, Qwen2, Qwen3,
-Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in the tests):
+Mistral, Gemma, Phi-3 and Cohere from ``transformers``, and on hand-written blocks in the tests):
+
+``layer_norm``
+    LayerNorm written out: ``(x - u) * rsqrt(mean((x - u)^2) + eps)`` with ``u`` x's mean over
+    the last dimension, the root's spellings as the RMS norms', then optionally a weight and a
+    bias (1-D); in bfloat16 on ``x.float()`` and cast back (:mod:`fxrt.patterns.layer_norm`).
 
 ``add_rms_norm`` / ``rms_norm``
     ``x * rsqrt(mean(x^2, -1, keepdim) + eps)``; ``x^2`` as ``pow(x, 2)`` or ``x * x``; ``eps``
@@ -35,17 +40,16 @@ Mistral, Gemma and Phi-3 from ``transformers``, and on hand-written blocks in th
     :mod:`fxrt.passes.fuse_attention` makes of Gemma-2's ``softcap * tanh(scores / softcap)``
     written out); CPU only (no NPU target: ``torch_npu``'s attention has no soft cap).
 
-Targets: on the CPU fxrt's own ops (``fxrt::rms_norm``, ``fxrt::add_rms_norm``, ``fxrt::rotary``,
-``fxrt::rotary_complex``, ``fxrt::gated``; the attention op itself for the two attention
-patterns), for
-float32 and bfloat16 tensors with the layouts their fast paths read; on Ascend NPUs
+Targets: on the CPU fxrt's own ops (``fxrt::layer_norm_chain``, ``fxrt::rms_norm``,
+``fxrt::add_rms_norm``, ``fxrt::rotary``, ``fxrt::rotary_complex``, ``fxrt::gated``; the
+attention op itself for the two attention patterns), for float32 and bfloat16 tensors with the
+layouts their fast paths read; on Ascend NPUs
 ``torch_npu``'s fused ops (:mod:`fxrt.patterns.npu`), looked up only when a graph's tensors are
 on an NPU.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -53,7 +57,18 @@ import torch
 from ..ir.graph import Node, Ref
 from . import npu
 from .attention import ATTENTION, SOFTCAP_ATTENTION, gqa_guard, match_gqa
-from .match import CAST, WIDENED, GraphIndex, is_contiguous, last_dim
+from .layer_norm import ANCHORS as LAYER_NORM_ANCHORS
+from .layer_norm import layer_norm_guard, match_layer_norm
+from .match import (
+    CAST,
+    WIDENED,
+    GraphIndex,
+    denominator,
+    inverse_root,
+    is_contiguous,
+    plus_number,
+    row_mean,
+)  # fmt: skip
 from .registry import Match, Target, register_pattern
 from .rotary import match_rotary, rotary_guard
 from .rotary_complex import match_rotary_complex, rotary_complex_guard
@@ -87,9 +102,9 @@ def _rms_core(index: GraphIndex, y: Any) -> tuple[Any, float, bool, list[Node]] 
     pairs = list(index.operands(node)) if node.op.name == _MUL else [tuple(node.args[:2])]
     for x, r in pairs:
         if node.op.name == "aten::div.Tensor":
-            found = _denominator(index, r)
+            found = denominator(index, r)
         else:
-            found = _inverse_root(index, r)
+            found = inverse_root(index, r)
         if found is None:
             continue
         ms, eps, outside, chain = found
@@ -98,52 +113,9 @@ def _rms_core(index: GraphIndex, y: Any) -> tuple[Any, float, bool, list[Node]] 
     return None
 
 
-def _inverse_root(index: GraphIndex, r: Any) -> tuple[Any, float, bool, list[Node]] | None:
-    rs = index.only_for(r, "aten::rsqrt")
-    if rs is not None:
-        add = index.only_for(rs.args[0], _ADD)
-        eps = _plus_number(index, add)
-        if eps is not None:
-            return add.args[0], eps, False, [rs, add]
-        return None
-    rec = index.only_for(r, "aten::reciprocal")
-    if rec is not None:  # 1 / (sqrt(ms) + eps)
-        found = _denominator(index, rec.args[0])
-        return None if found is None else (*found[:3], [rec, *found[3]])
-    return None
-
-
-def _denominator(index: GraphIndex, d: Any) -> tuple[Any, float, bool, list[Node]] | None:
-    """``sqrt(ms + eps)`` or ``sqrt(ms) + eps``."""
-    sq = index.only_for(d, "aten::sqrt")
-    if sq is not None:
-        add = index.only_for(sq.args[0], _ADD)
-        eps = _plus_number(index, add)
-        return None if eps is None else (add.args[0], eps, False, [sq, add])
-    add = index.only_for(d, _ADD)
-    eps = _plus_number(index, add)
-    if eps is None:
-        return None
-    sq = index.only_for(add.args[0], "aten::sqrt")
-    return None if sq is None else (sq.args[0], eps, True, [add, sq])
-
-
-def _plus_number(index: GraphIndex, add: Node | None) -> float | None:
-    if add is None or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
-        return None
-    eps = index.number(add.args[1])
-    return eps if eps is not None and math.isfinite(eps) and eps >= 0 else None
-
-
 def _mean_square_of(index: GraphIndex, ms: Any, x: Any, chain: list[Node]) -> bool:
-    mean = index.only_for(ms, "aten::mean.dim")
+    mean = row_mean(index, ms, only=True)
     if mean is None or not isinstance(x, Ref):
-        return False
-    meta = index.meta(x)
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if meta is None or not last_dim(meta, mean.args[1]) or keepdim is not True:
-        return False
-    if mean.kwargs.get("dtype") is not None:
         return False
     sq = index.only_for(mean.args[0], "aten::pow.Tensor_Scalar", _MUL)
     if sq is None or sq.args[0] != x:
@@ -166,7 +138,7 @@ def _weighted(index: GraphIndex, anchor: Node) -> tuple[Any, Any, float, list[No
         if wm.shape[0] != ym.shape[-1]:
             continue
         plus = index.only_for(w, _ADD)
-        offset = _plus_number(index, plus) if plus is not None else None
+        offset = plus_number(index, plus) if plus is not None else None
         if offset is not None and index.meta(plus.args[0]) is not None:
             return y, plus.args[0], offset, [anchor, plus]
         return y, w, 0.0, [anchor]
@@ -329,12 +301,18 @@ def _gated_guard(match: Match, index: GraphIndex) -> bool:
 # --- registration -------------------------------------------------------------------------------
 
 BUILTIN = (
-    "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp", "gqa_attention",
-    "gqa_softcap_attention",
+    "layer_norm", "add_rms_norm", "rms_norm", "rotary", "rotary_complex", "gated_mlp",
+    "gqa_attention", "gqa_softcap_attention",
 )  # fmt: skip
 
 
 def register_builtins() -> None:
+    # before the RMS norms: a written-out LayerNorm's d * rsqrt(mean(d^2) + eps) is one of d
+    register_pattern(
+        "layer_norm", match_layer_norm,
+        {"cpu": Target(_own("layer_norm_chain"), layer_norm_guard), "npu": npu.layer_norm},
+        anchors=list(LAYER_NORM_ANCHORS), doc="LayerNorm written out", _builtin=True,
+    )  # fmt: skip
     register_pattern(
         "add_rms_norm", match_add_rms_norm,
         {"cpu": Target(_own("add_rms_norm"), _add_rms_guard), "npu": npu.add_rms_norm},

@@ -19,6 +19,7 @@ rewrite (:mod:`fxrt.patterns.fuse`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -128,4 +129,65 @@ def last_dim(meta: TensorMeta, dims: Any) -> bool:
     return dims[0] in (-1, len(meta.shape) - 1)
 
 
-__all__ = ["CAST", "WIDENED", "GraphIndex", "is_contiguous", "last_dim"]
+def row_mean(index: GraphIndex, v: Any, only: bool = False) -> Node | None:
+    """The node that makes ``v`` as ``mean(t, [-1], keepdim=True)`` without a dtype (read by the
+    chain alone when ``only``)."""
+    mean = (index.only_for if only else index.made_by)(v, "aten::mean.dim")
+    if mean is None:
+        return None
+    meta = index.meta(mean.args[0])
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if meta is None or not last_dim(meta, mean.args[1]) or keepdim is not True:
+        return None
+    return None if mean.kwargs.get("dtype") is not None else mean
+
+
+# --- the pieces of a norm: its root and its eps -------------------------------------------------
+
+_ADD = "aten::add.Tensor"
+
+
+def inverse_root(index: GraphIndex, r: Any) -> tuple[Any, float, bool, list[Node]] | None:
+    """``r`` = ``rsqrt(v + eps)`` or ``reciprocal(denominator)``, each step read by the chain
+    alone: ``(v, eps, eps_outside, nodes)``."""
+    rs = index.only_for(r, "aten::rsqrt")
+    if rs is not None:
+        add = index.only_for(rs.args[0], _ADD)
+        eps = plus_number(index, add)
+        if eps is not None:
+            return add.args[0], eps, False, [rs, add]
+        return None
+    rec = index.only_for(r, "aten::reciprocal")
+    if rec is not None:  # 1 / (sqrt(ms) + eps)
+        found = denominator(index, rec.args[0])
+        return None if found is None else (*found[:3], [rec, *found[3]])
+    return None
+
+
+def denominator(index: GraphIndex, d: Any) -> tuple[Any, float, bool, list[Node]] | None:
+    """``d`` = ``sqrt(v + eps)`` or ``sqrt(v) + eps``: ``(v, eps, eps_outside, nodes)``."""
+    sq = index.only_for(d, "aten::sqrt")
+    if sq is not None:
+        add = index.only_for(sq.args[0], _ADD)
+        eps = plus_number(index, add)
+        return None if eps is None else (add.args[0], eps, False, [sq, add])
+    add = index.only_for(d, _ADD)
+    eps = plus_number(index, add)
+    if eps is None:
+        return None
+    sq = index.only_for(add.args[0], "aten::sqrt")
+    return None if sq is None else (sq.args[0], eps, True, [add, sq])
+
+
+def plus_number(index: GraphIndex, add: Node | None) -> float | None:
+    """``add`` = ``value + eps`` (alpha 1) with ``eps`` a finite number >= 0: ``eps``."""
+    if add is None or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    eps = index.number(add.args[1])
+    return eps if eps is not None and math.isfinite(eps) and eps >= 0 else None
+
+
+__all__ = [
+    "CAST", "WIDENED", "GraphIndex", "denominator", "inverse_root", "is_contiguous", "last_dim",
+    "plus_number", "row_mean",
+]  # fmt: skip

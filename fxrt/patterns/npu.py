@@ -8,6 +8,9 @@ express, keeps the ATen ops:
 =================  ==============================================  ==============================
 pattern            op                                              when
 =================  ==============================================  ==============================
+``layer_norm``     ``aten::native_layer_norm(x, [n], weight,       eps inside the root
+                   bias, eps)`` (result 0), which ``torch_npu``
+                   computes with its fused kernel
 ``rms_norm``       ``npu_rms_norm(x, gamma, epsilon)`` (result 0)  a weight, no offset, eps inside
 ``add_rms_norm``   ``npu_add_rms_norm(x1, x2, gamma, epsilon)``    the same
                    (results 0 and 2)
@@ -70,6 +73,15 @@ def _adapt_add_rms_norm(match: Match, _index: Any) -> Match | None:
     args = _rms_args(match, 2)
     y, x = match.results
     return None if args is None else Match(args, {}, [y, None, x], match.nodes)
+
+
+def _adapt_layer_norm(match: Match, index: Any) -> Match | None:
+    x, weight, bias, eps, root = match.args
+    meta = index.meta(x)
+    if root.startswith("sqrt_eps") or meta is None or not meta.shape:
+        return None
+    return Match((x, [meta.shape[-1]], weight, bias, eps), {}, [*match.results, None, None],
+                 match.nodes)  # fmt: skip
 
 
 def _adapt_rotary(match: Match, _index: Any) -> list[Match] | None:
@@ -214,6 +226,7 @@ def _bytes(meta: Any) -> int | None:
     return math.prod(meta.shape) if meta.is_static else None
 
 
+layer_norm = Target(aten.native_layer_norm.default, adapt=_adapt_layer_norm)
 rms_norm = Target(_npu_op("npu_rms_norm"), adapt=_adapt_rms_norm)
 add_rms_norm = Target(_npu_op("npu_add_rms_norm"), adapt=_adapt_add_rms_norm)
 rotary = Target(_npu_op("npu_rotary_mul"), adapt=_adapt_rotary)
@@ -221,4 +234,12 @@ gated = Target(_npu_op("npu_swiglu"), adapt=_adapt_gated)
 rotary_complex = Target(_npu_op("npu_rotary_mul"), adapt=_adapt_rotary_complex)
 attention = Target(_npu_op("npu_fusion_attention"), adapt=_adapt_attention)
 
-__all__ = ["add_rms_norm", "attention", "gated", "rms_norm", "rotary", "rotary_complex"]
+__all__ = [
+    "add_rms_norm",
+    "attention",
+    "gated",
+    "layer_norm",
+    "rms_norm",
+    "rotary",
+    "rotary_complex",
+]
