@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from conftest import native_available, recording_compiles, run_child, skip_unless_executor
-from test_patterns import adversarial
+from test_patterns import adversarial, compile_twice
 from torch import nn
 
 import fxrt
@@ -221,21 +221,10 @@ class WrittenNorm(nn.Module):
 
 
 def compile_and_compare(model, make_inputs, executor, **options):
-    """fxrt on ``executor`` against eager, bit for bit, on two different inputs; the pattern
-    counts of the graphs it built."""
-    skip_unless_executor(executor)
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        model, backend="fxrt", options={"pure_python": executor == "python", **options}
-    )
-    with recording_compiles() as built, torch.no_grad():
-        for seed in (0, 1):
-            inputs = make_inputs(seed)
-            same(compiled(*inputs), model(*inputs))
-    counts: dict[str, int] = {}
-    for cg in built:
-        for k, v in fxrt.pattern_counts(cg).items():
-            counts[k] = counts.get(k, 0) + v
+    """fxrt on ``executor`` against eager, bit for bit, on two different inputs: the pattern
+    counts and the compiled graphs."""
+    built: list[fxrt.CompiledGraph] = []
+    counts = compile_twice(model, make_inputs, executor, tol=0, graphs=built, **options)
     return counts, built
 
 

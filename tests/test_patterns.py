@@ -284,10 +284,10 @@ def _cos_sin(s: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angle.cos(), angle.sin()
 
 
-def compile_twice(model, make_inputs, executor, programs=None, **options):
+def compile_twice(model, make_inputs, executor, programs=None, tol=1e-5, graphs=None, **options):
     """Compile ``model`` with fxrt on ``executor``, call it on two different inputs, compare each
-    with eager; return the pattern counts of the graphs it built (their programs appended to
-    ``programs`` when given)."""
+    with eager (within ``tol``; 0: bit for bit); return the pattern counts of the graphs it built
+    (their programs appended to ``programs``, the compiled graphs to ``graphs``, when given)."""
     skip_unless_executor(executor)
     torch._dynamo.reset()
     compiled = torch.compile(
@@ -296,10 +296,14 @@ def compile_twice(model, make_inputs, executor, programs=None, **options):
     with recording_compiles() as built, torch.no_grad():
         for seed in (0, 1):
             inputs = make_inputs(seed)
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                compiled(*inputs), model(*inputs), rtol=tol, atol=tol, equal_nan=True
+            )
     assert built and {cg.executor for cg in built} == {executor}
     if programs is not None:
         programs.extend(cg.program for cg in built)
+    if graphs is not None:
+        graphs.extend(built)
     counts: dict[str, int] = {}
     for cg in built:
         for k, v in fxrt.pattern_counts(cg).items():

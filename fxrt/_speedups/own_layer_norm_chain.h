@@ -55,6 +55,16 @@ namespace decoder_detail {
   return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
 }
 
+// The four vectors of W floats at q added into four accumulators, one each.
+template <int W>
+[[gnu::always_inline]] inline void add_group(float (&acc)[4][W], const float* q) {
+  for (int k = 0; k < 4; ++k) {
+    for (int l = 0; l < W; ++l) {
+      acc[k][l] += q[k * W + l];
+    }
+  }
+}
+
 // SumKernel's row_sum over `size` vectors of W floats (vector i at p + i * W; W = 1: scalars):
 // multi_row_sum's four interleaved accumulators, each with four levels that take the level below
 // every 2^power vectors, then the vectors past the last multiple of four, then the accumulators
@@ -69,12 +79,7 @@ template <int W>
   int64_t i = 0;
   while (i + step <= rows) {
     for (int64_t s = 0; s < step; ++s, ++i) {
-      const float* q = p + i * kIlp * W;
-      for (int k = 0; k < kIlp; ++k) {
-        for (int l = 0; l < W; ++l) {
-          acc[0][k][l] += q[k * W + l];
-        }
-      }
+      add_group<W>(acc[0], p + i * kIlp * W);
     }
     for (int j = 1; j < kLevels; ++j) {
       for (int k = 0; k < kIlp; ++k) {
@@ -89,12 +94,7 @@ template <int W>
     }
   }
   for (; i < rows; ++i) {
-    const float* q = p + i * kIlp * W;
-    for (int k = 0; k < kIlp; ++k) {
-      for (int l = 0; l < W; ++l) {
-        acc[0][k][l] += q[k * W + l];
-      }
-    }
+    add_group<W>(acc[0], p + i * kIlp * W);
   }
   for (int j = 1; j < kLevels; ++j) {
     for (int k = 0; k < kIlp; ++k) {
