@@ -68,7 +68,7 @@ from .match import (
     is_contiguous,
     plus_number,
     row_mean,
-)  # fmt: skip
+)
 from .registry import Match, Target, register_pattern
 from .rotary import match_rotary, rotary_guard
 from .rotary_complex import match_rotary_complex, rotary_complex_guard
