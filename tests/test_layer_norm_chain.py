@@ -262,6 +262,17 @@ def test_written_spellings_fuse(spelling, executor):
     assert counts == {"layer_norm": 1}
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"streams": "auto"}, {"capture": True, "arena": False}, {"arena": False}],
+    ids=["streams_auto", "capture", "no_arena"],
+)
+def test_other_paths(options, executor):
+    """Multi-stream planning, whole-graph capture and the functional op without the arena."""
+    counts, _ = compile_and_compare(CohereNorm(), rows(2, 7, 64), executor, **options)
+    assert counts == {"layer_norm": 1}
+
+
 def test_a_chain_rounding_each_step_to_bfloat16_keeps_its_ops(executor):
     """eager's bfloat16 ops round every step; the fused op would not."""
     counts, _ = compile_and_compare(WrittenNorm("convnext").to(BF16), rows(3, 5, 64, dtype=BF16),
