@@ -157,7 +157,7 @@ inline Root checked_root(c10::string_view name) {
 }
 
 // Phase 1 writes each row's mean and variance; phase 2 (stats == false) each row's result from
-// its mean and `scale` (the root to divide by, or the factor to multiply with).
+// its mean and `row[r]`, by then its scale (the root to divide by, or the factor to multiply with).
 template <class T>
 struct NormChainRows {
   const T* x;
@@ -166,8 +166,7 @@ struct NormChainRows {
   T* y;
   float* scratch;  // 2 n floats
   float* mean;  // rows
-  float* var;  // rows
-  const float* scale;  // rows
+  float* row;  // rows: each row's variance (phase 1), then its scale (phase 2)
   int64_t rows, n;
   bool stats, divide;
   bool wide;  // vectors of 16 floats (ATen's AVX512 kernels), else 8
@@ -190,7 +189,7 @@ template <class T, int W>
       sq[i] = c * c;
     }
     p.mean[r] = mean;
-    p.var[r] = aten_row_sum<W>(sq, n) / count;
+    p.row[r] = aten_row_sum<W>(sq, n) / count;
   }
 }
 
@@ -201,7 +200,7 @@ template <class T>
   for (int64_t r = 0; r < p.rows; ++r) {
     const T* x = p.x + r * n;
     T* y = p.y + r * n;
-    const float mean = p.mean[r], s = p.scale[r];
+    const float mean = p.mean[r], s = p.row[r];
     if (p.divide) {
       for (int64_t i = 0; i < n; ++i) {
         t[i] = (widen(x[i]) - mean) / s;
@@ -272,12 +271,11 @@ inline bool fast_norm_chain(const at::Tensor& x, const at::Tensor& w, const at::
 }
 
 // Each row's root as eager's chain computes it (the factor to multiply with where the chain
-// multiplies), from the rows' variances; `var` is overwritten.
-inline void norm_chain_scales(Root root, float eps, std::vector<float>& var) {
-  const int64_t rows = static_cast<int64_t>(var.size());
+// multiplies), from the rows' variances in `var`, which it overwrites.
+inline void norm_chain_scales(Root root, float eps, float* var, int64_t rows) {
   if (root == Root::kRsqrt) {
-    for (float& v : var) {
-      v = 1.0f / std::sqrt(v + eps);  // aten::rsqrt's
+    for (int64_t r = 0; r < rows; ++r) {
+      var[r] = 1.0f / std::sqrt(var[r] + eps);  // aten::rsqrt's
     }
     return;
   }
@@ -309,15 +307,17 @@ inline void run_norm_chain(
   if (rows == 0) {
     return;
   }
-  std::vector<float> scratch(2 * n), mean(rows), var(rows);
+  std::vector<float> buffer(2 * n + 2 * rows);  // scratch, then the rows' means and variances
+  float* const mean = buffer.data() + 2 * n;
+  float* const var = mean + rows;
   auto run = [&](auto tag) {
     using T = decltype(tag);
     NormChainRows<T> p{
         x.const_data_ptr<T>(), w.defined() ? w.const_data_ptr<T>() : nullptr,
-        b.defined() ? b.const_data_ptr<T>() : nullptr, y.mutable_data_ptr<T>(), scratch.data(),
-        mean.data(), var.data(), var.data(), rows, n, true, false, aten_vectors_of_16()};
+        b.defined() ? b.const_data_ptr<T>() : nullptr, y.mutable_data_ptr<T>(), buffer.data(),
+        mean, var, rows, n, true, false, aten_vectors_of_16()};
     norm_chain(p);
-    norm_chain_scales(root, static_cast<float>(eps), var);
+    norm_chain_scales(root, static_cast<float>(eps), var, rows);
     p.stats = false;
     p.divide = root == Root::kSqrt || root == Root::kSqrtEps;
     norm_chain(p);
