@@ -132,8 +132,9 @@ print(json.dumps({"bad": bad, "capability": torch.backends.cpu.get_cpu_capabilit
 
 @pytest.mark.parametrize("capability", ["DEFAULT", "AVX2", "AVX512"])
 def test_each_cpu_capability_in_atens_order(capability, tmp_path):
-    """ATen sums with vectors of 16 floats under AVX512 and of 8 otherwise: the op follows the
-    capability ATen runs at (ATEN_CPU_CAPABILITY, or the CPU's best)."""
+    """The op sums in the order ATen's mean runs at each capability (ATEN_CPU_CAPABILITY, or the
+    CPU's best): vectors of 8 floats, or 16 where a build's AVX512 mean has them (torch 2.13's
+    AVX512 mean keeps 8)."""
     levels = ["DEFAULT", "AVX2", "AVX512"]
     best = torch.backends.cpu.get_cpu_capability()
     if best not in levels or levels.index(capability) > levels.index(best):
@@ -144,6 +145,17 @@ def test_each_cpu_capability_in_atens_order(capability, tmp_path):
     )  # fmt: skip
     assert out["capability"] == capability
     assert out["bad"] == []
+
+
+def test_the_fast_path_runs_here():
+    """The op finds ATen's summation order on this CPU and takes its own path: eager's chain
+    (the reference path) would show up as aten::mean calls in a profile."""
+    x = torch.randn(4, 6, 48)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = op()(x, None, None, 1e-5, "rsqrt")
+    names = {e.name for e in prof.events()}
+    assert "fxrt::layer_norm_chain" in names and "aten::mean" not in names, names
+    same(got, chain(x, None, None, 1e-5, "rsqrt"))
 
 
 def test_bfloat16_is_the_widened_chain_bit_for_bit():

@@ -15,9 +15,9 @@
 //   as the chain models write around x.float() and a cast back.
 //   Unlike aten::native_layer_norm (one pass, Welford's statistics), the chain's two means are
 //   sums in ATen's own order: SumKernel's cascade (4 interleaved accumulators of vectors of the
-//   CPU capability's width, added into levels every 2^k vectors, the tail elements after). The fast
-//   path sums in that order for the capability ATen runs (ATEN_CPU_CAPABILITY included) and
-//   rounds every other step as eager's ops do, without contractions. aten::sqrt is not always
+//   width ATen's mean runs with, added into levels every 2^k vectors, the tail elements after).
+//   The fast path sums in that order (the width found once by asking ATen's mean,
+//   aten_sum_width) and rounds every other step as eager's ops do, without contractions. aten::sqrt is not always
 //   correctly rounded (MKL's vector sqrt, within an ulp), so the forms with a sqrt take the rows'
 //   roots from aten::sqrt itself, one call for all rows; rsqrt is ATen's 1 / std::sqrt. Where
 //   ATen's reduction would split a row between threads (one row of 32768 elements or more,
@@ -29,10 +29,10 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
-#include <ATen/Version.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/mean.h>
+#include <ATen/ops/mean_cpu_dispatch.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/reciprocal.h>
@@ -241,11 +241,35 @@ template <class T>
 FXRT_ROWS_KERNEL(norm_chain, NormChainRows, float)
 FXRT_ROWS_KERNEL(norm_chain, NormChainRows, c10::BFloat16)
 
-// Whether ATen's CPU kernels run with 16-float vectors (AVX512), as ATEN_CPU_CAPABILITY and the
-// CPU decide at load.
-inline bool aten_vectors_of_16() {
-  static const bool wide = at::get_cpu_capability() == "AVX512";
-  return wide;
+// The vector width ATen's mean sums a row with, 8 or 16 floats (0: neither order, and the op runs
+// eager's chain). It depends on more than the capability ATen runs at (ATEN_CPU_CAPABILITY or the
+// CPU's best): a build may register no AVX512 kernel for a reduction and run its AVX2 one there,
+// as torch 2.13's mean does. So it is asked once: rows of several lengths, whose sums differ
+// between the two orders, against ATen's CPU mean itself (no dispatcher, no mode sees the call).
+inline int aten_sum_width() {
+  static const int width = [] {
+    for (const int w : {8, 16}) {
+      uint32_t state = 0x9E3779B9u;
+      bool all = true;
+      for (const int64_t n : {9, 16, 27, 64, 100, 257, 1000, 4099}) {
+        at::Tensor row =
+            at::detail::empty_cpu({n}, at::kFloat, false, c10::MemoryFormat::Contiguous);
+        float* p = row.mutable_data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) {  // magnitudes spread over six binades
+          state = state * 1664525u + 1013904223u;
+          p[i] = static_cast<float>(static_cast<int32_t>(state)) * 0x1p-31f * (1 << (i % 6));
+        }
+        const float want = *at::cpu::mean(row, {0}).const_data_ptr<float>();
+        const float sum = w == 16 ? aten_row_sum<16>(p, n) : aten_row_sum<8>(p, n);
+        all = all && sum / static_cast<float>(n) == want;
+      }
+      if (all) {
+        return w;
+      }
+    }
+    return 0;
+  }();
+  return width;
 }
 #endif
 
@@ -258,7 +282,7 @@ inline bool row_vector_of(const at::Tensor& t, const at::Tensor& x) {
 inline bool fast_norm_chain(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
 #if defined(__x86_64__)
   if (!plain_rows(x) || !x.is_contiguous() || x.size(-1) == 0 || !row_vector_of(w, x) ||
-      !row_vector_of(b, x)) {
+      !row_vector_of(b, x) || aten_sum_width() == 0) {
     return false;
   }
   // ATen's parallel reduction splits a lone row between threads (two_pass_reduction).
@@ -315,7 +339,7 @@ inline void run_norm_chain(
     NormChainRows<T> p{
         x.const_data_ptr<T>(), w.defined() ? w.const_data_ptr<T>() : nullptr,
         b.defined() ? b.const_data_ptr<T>() : nullptr, y.mutable_data_ptr<T>(), buffer.data(),
-        mean, var, rows, n, true, false, aten_vectors_of_16()};
+        mean, var, rows, n, true, false, aten_sum_width() == 16};
     norm_chain(p);
     norm_chain_scales(root, static_cast<float>(eps), var, rows);
     p.stats = false;
