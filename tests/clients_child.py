@@ -99,6 +99,10 @@ CLIENTS: dict[str, Client] = {
         True,
         "logits",
     ),
+    # per-head q and k norms after the heads' transpose; local and global rotary tables
+    "gemma3": Client(
+        _causal_lm(hf.Gemma3ForCausalLM, hf.Gemma3TextConfig, head_dim=16), True, "logits"
+    ),
     # LayerNorm written out in ATen ops, widened to float32 (CohereLayerNorm)
     "cohere": Client(_causal_lm(hf.CohereForCausalLM, hf.CohereConfig), True, "logits"),
     "bert": Client(_bert, False, "last_hidden_state"),

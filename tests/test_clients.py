@@ -49,7 +49,7 @@ FULL = os.environ.get("FXRT_CLIENTS", "quick") == "full"
 MODELS = list(CLIENTS)
 QUICK = MODELS if FULL else ["gpt2", "llama"]  # generate and warm runs
 WARM = QUICK if FULL else [*QUICK, "gemma2"]  # Gemma-2: the soft-capped attention's fused call
-INDUCTOR_MODELS = MODELS if FULL else [m for m in MODELS if m not in ("gemma2", "cohere")]
+INDUCTOR_MODELS = MODELS if FULL else [m for m in MODELS if m not in ("gemma2", "gemma3", "cohere")]
 # dynamic=True forward; in the quick set GPT-2's dynamic shapes come from its generate test.
 DYNAMIC = MODELS if FULL else ["llama", "t5_encoder"]
 QUICK_DECODERS = [name for name in DECODERS if name in QUICK]
@@ -167,11 +167,15 @@ DECODER_PATTERNS = {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 
 GEMMA2_PATTERNS = {
     "rms_norm": 5, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 2, "gqa_softcap_attention": 2,
 }  # fmt: skip
+# Gemma-3: Gemma-2's norms plus q and k normalized per head after their transpose (in the
+# transposed layout), GELU-tanh gated MLPs.
+GEMMA3_PATTERNS = {"rms_norm": 9, "add_rms_norm": 4, "rotary": 2, "gated_mlp": 2}
 # Cohere: its three LayerNorms (two layers' and the final one) written out, fused whole.
 COHERE_PATTERNS = {"layer_norm": 3, "rotary": 2, "gated_mlp": 2}
 PATTERNS = {
     **{name: DECODER_PATTERNS for name in ["llama", "qwen2", "mistral", "gemma"]},
     "gemma2": GEMMA2_PATTERNS,
+    "gemma3": GEMMA3_PATTERNS,
     "cohere": COHERE_PATTERNS,
 }
 PATTERN_MODELS = list(PATTERNS)
@@ -203,6 +207,7 @@ BF16_PATTERNS = {
     "llama": DECODER_PATTERNS,
     "qwen2": DECODER_PATTERNS,
     "gemma": {"rms_norm": 5, "rotary": 2, "gated_mlp": 2},
+    "gemma3": {"rms_norm": 13, "rotary": 2, "gated_mlp": 2},
     # Cohere's rotary multiplies q.float() by bfloat16 cos and sin: mixed dtypes keep their ops
     "cohere": {"layer_norm": 3, "gated_mlp": 2},
 }

@@ -87,6 +87,49 @@ def test_rms_norm_op_within_bound_of_eager(offset, outside, n):
         )
 
 
+# Rows dense in memory though not contiguous (the last dimension stays innermost), as Gemma-3's
+# per-head norms read q and k after their transpose; and layouts the fast path does not read.
+PERMUTED = {
+    "heads_transposed": lambda x: x.transpose(1, 2),
+    "permuted": lambda x: x.permute(2, 0, 1, 3),
+    "unit_dim_strides": lambda x: x[:1].transpose(1, 2),
+}
+NOT_DENSE = {
+    "column_slice": lambda x: x[..., 1:],
+    "last_dim_moved": lambda x: x.transpose(2, 3),
+    "row_step": lambda x: x[:, ::2],
+    "unit_dim_slice": lambda x: x[:, :1].transpose(1, 2),
+}
+
+
+@needs_ops
+@pytest.mark.parametrize("layout", [*PERMUTED, *NOT_DENSE])
+def test_rms_norm_op_on_strided_rows(layout):
+    """fxrt::rms_norm of a permuted dense input keeps its strides, as eager's chain does; its
+    out= form writes an out of those strides in place and any other out through a copy; layouts
+    whose rows are not dense in memory (and add_rms_norm of a permuted input) take eager's chain."""
+    view = {**PERMUTED, **NOT_DENSE}[layout]
+    for base in adversarial((2, 6, 4, 16)):
+        x = view(base)
+        n = x.shape[-1]
+        w = torch.randn(n)
+        expected = rms_eager(x, w, 1e-6, 1.0)
+        got = own("rms_norm")(x, w, 1e-6, 1.0, False)
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6, equal_nan=True)
+        assert got.stride() == expected.stride()
+        if layout in PERMUTED:
+            assert got.stride() == x.stride()
+        for out in (torch.empty_like(x), torch.empty(x.shape)):
+            own("rms_norm").out(x, w, 1e-6, 1.0, False, out=out)
+            torch.testing.assert_close(out, got, rtol=0, atol=0, equal_nan=True)
+        r = torch.randn(x.shape)
+        y, total = own("add_rms_norm")(x, r, w, 1e-6, 1.0, False)
+        torch.testing.assert_close(total, x + r, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(
+            y, rms_eager(x + r, w, 1e-6, 1.0), rtol=2e-6, atol=1e-6, equal_nan=True
+        )
+
+
 @needs_ops
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("features", [-1, 8])
@@ -323,6 +366,55 @@ SPELLINGS = ["llama", "gemma", "square", "outside", "plain"]
 def test_rms_norm_spellings_fuse(spelling, executor):
     counts = compile_twice(RMSNorm(spelling=spelling), x_input(2, 7, 32), executor)
     assert counts == {"rms_norm": 1}
+
+
+class HeadNorms(nn.Module):
+    """Gemma-3's attention input: q and k projected, split into heads, transposed, then each
+    normalized per head (``(1 + w)``), the transposed layout kept."""
+
+    def __init__(self, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim // 2, bias=False)
+        self.q_norm = RMSNorm(dim // heads, spelling="gemma")
+        self.k_norm = RMSNorm(dim // heads, spelling="gemma")
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, -1, 16).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, 16).transpose(1, 2)
+        return self.q_norm(q), self.k_norm(k)
+
+
+@needs_ops
+def test_norms_of_transposed_heads_fuse(executor):
+    model = HeadNorms()
+    assert compile_twice(model, x_input(2, 7, 64), executor) == {"rms_norm": 2}
+    compiled = torch.compile(model, backend="fxrt", options={"pure_python": executor == "python"})
+    x = x_input(2, 7, 64)(2)[0]
+    with torch.no_grad():
+        got, want = compiled(x), model(x)
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+    assert not got[0].is_contiguous()
+
+
+@needs_ops
+def test_norms_of_transposed_heads_fuse_with_dynamic_shapes(executor):
+    """Symbolic sizes: the transposed layout's strides are expressions, still dense rows."""
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+    model = HeadNorms()
+    compiled = torch.compile(
+        model, backend="fxrt", dynamic=True, options={"pure_python": executor == "python"}
+    )
+    with recording_compiles() as built, torch.no_grad():
+        for seed, (b, s) in enumerate([(2, 5), (3, 9), (2, 13)]):
+            x = x_input(b, s, 64)(seed)[0]
+            got, want = compiled(x), model(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert [t.stride() for t in got] == [t.stride() for t in want]
+    assert len(built) == 1 and fxrt.pattern_counts(built[0]) == {"rms_norm": 2}
 
 
 @needs_ops

@@ -140,7 +140,7 @@ FXRT_RMS_NORM_ROWS(c10::BFloat16)
 #undef FXRT_RMS_NORM_ROWS
 
 inline bool fast_rms_norm(const at::Tensor& x, const at::Tensor& w) {
-  return plain_rows(x) && x.is_contiguous() && x.size(-1) > 0 && same_dtype(x, w) &&
+  return plain_rows(x) && dense_rows(x) && x.size(-1) > 0 && same_dtype(x, w) &&
       (!w.defined() ||
        (plain_rows(w) && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous()));
 }

@@ -10,6 +10,8 @@
 //   y = input * rsqrt(mean(input^2, -1) + eps) * (weight + weight_offset), or with eps_outside
 //   y = input / (sqrt(mean(input^2, -1)) + eps) * (...). Each row's sum of squares is taken in
 //   vector lanes (another order of additions than ATen's mean); the rest rounds as eager does.
+//   An input whose rows lie whole in memory (decoder_detail::dense_rows: contiguous, or permuted
+//   with the last dimension innermost) gives a result of its strides, as eager's chain does.
 //
 // fxrt::add_rms_norm(Tensor input, Tensor residual, Tensor? weight, float eps,
 //                    float weight_offset=0., bool eps_outside=False) -> (Tensor, Tensor),
@@ -59,8 +61,8 @@ namespace fxrt {
 namespace decoder_detail {
 
 inline bool fast_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w) {
-  return fast_rms_norm(x, w) && plain_rows(residual) && same_dtype(x, residual) &&
-      residual.is_contiguous() && residual.sizes().equals(x.sizes());
+  return fast_rms_norm(x, w) && x.is_contiguous() && plain_rows(residual) &&
+      same_dtype(x, residual) && residual.is_contiguous() && residual.sizes().equals(x.sizes());
 }
 
 // An out= overload whose outs its fast path cannot write (or whose inputs it does not read)
@@ -116,7 +118,7 @@ inline at::Tensor rms_norm(
   if (!fast_rms_norm(input, w)) {
     return rms_norm_reference(input, w, eps, weight_offset, eps_outside);
   }
-  at::Tensor out = contiguous_like(input);
+  at::Tensor out = rows_like(input);
   run_rms_norm(input, nullptr, nullptr, w, eps, weight_offset, eps_outside, out);
   return out;
 }
@@ -130,8 +132,7 @@ inline at::Tensor& rms_norm_out(
     at::Tensor& out) {
   using namespace decoder_detail;
   const at::Tensor& w = or_undefined(weight);
-  if (fast_rms_norm(input, w) && same_dtype(input, out) && out.is_contiguous() &&
-      out.sizes().equals(input.sizes())) {
+  if (fast_rms_norm(input, w) && same_dtype(input, out) && same_layout(out, input)) {
     run_rms_norm(input, nullptr, nullptr, w, eps, weight_offset, eps_outside, out);
   } else {
     out.copy_(rms_norm(input, weight, eps, weight_offset, eps_outside));

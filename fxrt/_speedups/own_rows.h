@@ -90,6 +90,35 @@ inline at::Tensor contiguous_like(const at::Tensor& x) {
   return at::detail::empty_cpu(x.sizes(), x.scalar_type(), false, c10::MemoryFormat::Contiguous);
 }
 
+// Memory holds `t`'s rows as whole runs of its last dimension: `t` is dense and that dimension
+// is its innermost (a contiguous tensor, or a permuted one whose last dimension stays last, as
+// Gemma-3's heads after their transpose). A kernel over rows may then run over memory as
+// numel / n rows of n, writing a result of the same strides.
+inline bool dense_rows(const at::Tensor& t) {
+  return t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1) && t.is_non_overlapping_and_dense();
+}
+
+// `a` and `b` lay out their elements alike: equal sizes, equal strides where a size is not 1.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.sizes().equals(b.sizes())) {
+    return false;
+  }
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A result for a row kernel over `x` (dense_rows): x's strides, so memory's rows map alike.
+inline at::Tensor rows_like(const at::Tensor& x) {
+  if (x.is_contiguous()) {
+    return contiguous_like(x);
+  }
+  return at::detail::empty_strided_cpu(x.sizes(), x.strides(), x.scalar_type());
+}
+
 // A lane block of `m` floats of `p` (zeros past `m`), and back. A whole block is one copy of a
 // constant size (a vector load or store); only the tail copies its length.
 template <class V>

@@ -54,6 +54,42 @@ def is_contiguous(meta: TensorMeta) -> bool:
     return True
 
 
+def dense_rows(meta: TensorMeta) -> bool:
+    """``meta``'s memory holds its rows as whole runs of the last dimension: contiguous, or dense
+    with the last dimension innermost, as a transpose of the dimensions before it leaves them. A
+    row kernel may then run over such memory as ``numel / n`` rows of ``n``. Symbolic strides are
+    compared as expressions (a dimension of symbolic size is at least 2 under Dynamo)."""
+    if is_contiguous(meta):
+        return True
+    if meta.shape[-1] != 1 and meta.stride[-1] != 1:
+        return False
+    dims = [(size, stride) for size, stride in zip(meta.shape, meta.stride) if size != 1]
+    expected: Any = 1
+    while dims:  # the dimension whose stride is the product of the sizes inside it, in turn
+        step = next((d for d in dims if _same(d[1], expected)), None)
+        if step is None:
+            return False
+        dims.remove(step)
+        expected = _times(expected, step[0])
+    return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    import sympy
+
+    return sympy.simplify(sympy.sympify(str(a)) - sympy.sympify(str(b))) == 0
+
+
+def _times(a: Any, b: Any) -> Any:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    import sympy
+
+    return sympy.sympify(str(a)) * sympy.sympify(str(b))
+
+
 def _product(a: Any, b: Any) -> Any:
     if isinstance(a, int) and isinstance(b, int):
         return a * b

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import Node, Ref
+from ..ir.graph import Node, Ref, dense_rows
 from . import npu
 from .attention import ATTENTION, SOFTCAP_ATTENTION, gqa_guard, match_gqa
 from .layer_norm import ANCHORS as LAYER_NORM_ANCHORS
@@ -209,14 +209,16 @@ def _weight_follows(index: GraphIndex, node: Node) -> bool:
 
 
 def _rms_guard(match: Match, index: GraphIndex) -> bool:
+    """Float CPU rows, and a result laid out as ``fxrt::rms_norm`` lays its out: contiguous,
+    or (rows dense in memory, as Gemma-3's per-head norms after their transpose) x's strides."""
     x, weight, _, offset = match.args[:4]
     meta = index.meta(x)
+    out = index.graph.values[match.results[0]].meta
     return (
         index.is_float_cpu(x, Ref(match.results[0]), *([] if weight is None else [weight]))
         and (meta.dtype is torch.float32 or (match.info["widened"] and offset == 0.0))
-        and meta is not None
-        and is_contiguous(meta)
-        and is_contiguous(index.graph.values[match.results[0]].meta)
+        and dense_rows(meta)
+        and (is_contiguous(out) if is_contiguous(meta) else out.stride == meta.stride)
     )
 
 
