@@ -70,7 +70,7 @@ def dense_rows(meta: TensorMeta) -> bool:
         if step is None:
             return False
         dims.remove(step)
-        expected = _times(expected, step[0])
+        expected = _product(expected, step[0])
     return True
 
 
@@ -80,14 +80,6 @@ def _same(a: Any, b: Any) -> bool:
     import sympy
 
     return sympy.simplify(sympy.sympify(str(a)) - sympy.sympify(str(b))) == 0
-
-
-def _times(a: Any, b: Any) -> Any:
-    if isinstance(a, int) and isinstance(b, int):
-        return a * b
-    import sympy
-
-    return sympy.sympify(str(a)) * sympy.sympify(str(b))
 
 
 def _product(a: Any, b: Any) -> Any:
