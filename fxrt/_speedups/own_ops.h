@@ -23,6 +23,9 @@
 // fxrt::sdpa: its output alone, with an out= overload (inference never reads the logsumexp; the
 //   arena holds the output).
 //
+// fxrt::embedding: aten::embedding's forward, the rows copied without the reshape, index_select
+//   and view ATen makes of it (own_embedding.h).
+//
 // fxrt::layer_norm_chain: LayerNorm written out in ATen ops, eager's chain bit for bit
 //   (own_layer_norm_chain.h).
 //
@@ -44,6 +47,7 @@
 #include "inline_ops.h"
 #include "own_attention.h"
 #include "own_decoder_ops.h"
+#include "own_embedding.h"
 #include "own_layer_norm_chain.h"
 #include "own_softcap.h"
 #include "own_tanh.h"

@@ -37,6 +37,12 @@ tensor subclass), so nothing but the fast path differs from eager.
   vector math, which takes 2.7 ns an element on AMD CPUs (64K elements: 76 us against 180 us).
   Within 1 ulp of eager's results; NaN, +-inf, -0 and denormals are eager's. With more than one
   intra-op thread, inputs above 32768 elements are ``aten::tanh``'s (parallel).
+* ``fxrt::embedding``: ``aten::embedding``'s forward, the weight's rows at the indices, copied
+  directly when the weight's rows are contiguous and the indices a contiguous int64 or int32
+  CPU tensor within range, in any dtype. ATen makes it a reshape, an ``index_select`` through the
+  dispatcher and a view (4-12 us on a decoder's 16 token ids); the result is eager's bytes, and
+  the arena holds it through the ``out=`` overload. An index out of range is ``aten::embedding``
+  (eager's error).
 
 :func:`use_own_ops` rewrites a graph's nodes to these ops. It is a stage of the compile pipeline
 (:mod:`fxrt.pipeline`) that runs last among the graph rewrites, after the user's post pass, so
@@ -60,7 +66,10 @@ OWN_OPS: dict[str, str] = {
     "aten::native_layer_norm": "layer_norm",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::tanh": "tanh",
+    "aten::embedding": "embedding",
 }
+# fxrt ops that take any dtype (they copy bytes), not only float32.
+_ANY_DTYPE = frozenset({"aten::embedding"})
 # fxrt ops with all the results of their ATen op.
 _ALL_RESULTS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})
 # ATen op -> the fxrt op that returns only its first result, for nodes whose other results
@@ -112,7 +121,9 @@ def use_own_ops(graph: Graph) -> Graph:
         if op is None or not node.outputs:
             continue
         meta = graph.values[node.outputs[0]].meta
-        if meta is None or meta.device != "cpu" or meta.dtype != torch.float32:
+        if meta is None or meta.device != "cpu":
+            continue
+        if meta.dtype != torch.float32 and node.op.name not in _ANY_DTYPE:
             continue
         if node.op.name == "aten::native_layer_norm":
             shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
