@@ -48,7 +48,8 @@ from fxrt.exec.program import Kernel
 FULL = os.environ.get("FXRT_CLIENTS", "quick") == "full"
 MODELS = list(CLIENTS)
 QUICK = MODELS if FULL else ["gpt2", "llama"]  # generate and warm runs
-WARM = QUICK if FULL else [*QUICK, "gemma2"]  # Gemma-2: the soft-capped attention's fused call
+# Gemma-2: the soft-capped attention's fused call; Gemma-3: the norms of its transposed heads
+WARM = QUICK if FULL else [*QUICK, "gemma2", "gemma3"]
 INDUCTOR_MODELS = MODELS if FULL else [m for m in MODELS if m not in ("gemma2", "gemma3", "cohere")]
 # dynamic=True forward; in the quick set GPT-2's dynamic shapes come from its generate test.
 DYNAMIC = MODELS if FULL else ["llama", "t5_encoder"]
@@ -265,6 +266,7 @@ def test_warm_cache(executor: str, tmp_path: Path) -> None:
     assert warm["patterns"] == cold["patterns"]
     assert DECODER_PATTERNS in cold["patterns"], cold["patterns"]
     assert GEMMA2_PATTERNS in cold["patterns"], cold["patterns"]
+    assert GEMMA3_PATTERNS in cold["patterns"], cold["patterns"]
 
 
 # --- fxrt as Inductor's host-wrapper executor --------------------------------------------------
