@@ -58,9 +58,9 @@ import torch
 
 from ..ir.graph import Graph, Op, OpKind
 
-# ATen op -> fxrt op, for nodes whose (first) result is a float32 CPU tensor. ``gelu`` has
-# aten::gelu's schema; ``layer_norm`` takes native_layer_norm's arguments (``normalized_shape``
-# static) and returns only its first result.
+# ATen op -> fxrt op, for nodes whose (first) result is a float32 CPU tensor (of any dtype for
+# the ``_ANY_DTYPE`` ones). ``gelu`` has aten::gelu's schema; ``layer_norm`` takes
+# native_layer_norm's arguments (``normalized_shape`` static) and returns only its first result.
 OWN_OPS: dict[str, str] = {
     "aten::gelu": "gelu",
     "aten::native_layer_norm": "layer_norm",
