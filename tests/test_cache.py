@@ -562,3 +562,32 @@ def test_a_store_that_fails_warns_and_the_graph_still_works(tmp_path, monkeypatc
     y = torch.randn(4, 3)
     torch.testing.assert_close(cg(y), (y.cos() + 1).sum(0))
     assert entries(tmp_path) == []
+
+
+def test_writers_sharing_a_directory_keep_each_others_blobs(tmp_path):
+    # Two processes (here threads, which flock separates too) storing at once: one's clean-up of
+    # unused blobs must not remove the blobs of an entry the other is storing, whose record is
+    # not in the index yet (its entry then misses bytes, and every later lookup compiles again).
+    import hashlib
+    import threading
+
+    def writer(w: int) -> None:
+        store = Store(tmp_path)
+        for i in range(150):
+            payload = f"{w}-{i}".encode() * 64
+            sha = hashlib.sha256(payload).hexdigest()
+            key = hashlib.sha256(f"key-{w}-{i}".encode()).hexdigest()
+            store.write(key, b"entry", {sha: payload}, {"name": f"w{w}"})
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store = Store(tmp_path)
+    entries = store.index()
+    assert len(entries) == 300
+    missing = [
+        sha for r in entries.values() for sha in r["blobs"] if not store.blob_path(sha).exists()
+    ]
+    assert missing == [], f"{len(missing)} blobs of indexed entries were removed"

@@ -151,12 +151,10 @@ class Store:
     # -- writing ----------------------------------------------------------------------------
 
     def write(self, key: str, data: bytes, blobs: dict[str, bytes], record: dict[str, Any]) -> None:
-        """Store an entry, its blobs and its index record; then evict down to ``max_bytes``."""
-        for sha, payload in blobs.items():
-            p = self.blob_path(sha)
-            if not p.exists():
-                _atomic_write(p, payload)
-        _atomic_write(self.entry_path(key), data)
+        """Store an entry, its blobs and its index record; then evict down to ``max_bytes``.
+
+        All under the lock: another writer's clean-up removes every blob the index does not
+        name, so blobs written before their record is in the index could go before it is."""
         now = time.time()
         record = {
             **record,
@@ -166,6 +164,11 @@ class Store:
             "last_used": now,
         }
         with self._locked():
+            for sha, payload in blobs.items():
+                p = self.blob_path(sha)
+                if not p.exists():
+                    _atomic_write(p, payload)
+            _atomic_write(self.entry_path(key), data)
             entries = self.index()
             entries[key] = record
             evicted = self._evict(entries, keep=key)
