@@ -15,6 +15,7 @@
 #include "inline_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 #include <ATen/ops/embedding.h>
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
@@ -24,10 +25,6 @@
 namespace fxrt {
 
 namespace embedding_detail {
-
-// Rows copied per task when the copy is shared out between intra-op threads (ATen's grain for
-// element-wise loops, in elements).
-constexpr int64_t kGrainElements = 32768;
 
 template <typename I>
 bool in_range(const at::Tensor& indices, int64_t rows) {
@@ -67,7 +64,9 @@ void gather(const at::Tensor& weight, const at::Tensor& indices, at::Tensor& out
   auto* o = static_cast<char*>(out.mutable_data_ptr());
   const int64_t row_bytes = weight.size(1) * static_cast<int64_t>(weight.element_size());
   const int64_t step = weight.stride(0) * static_cast<int64_t>(weight.element_size());
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, weight.size(1)));
+  // Shared out between intra-op threads in tasks of ATen's grain for element-wise loops.
+  const int64_t grain =
+      std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, weight.size(1)));
   at::parallel_for(0, indices.numel(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(o + i * row_bytes, w + ix[i] * step, row_bytes);
