@@ -6,7 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_VERSION := 2.13.0
-EXT_SOURCES := $(wildcard fxrt/_speedups/*.pyx fxrt/_speedups/*.h fxrt/_speedups/*.pxd)
+# The extension: the compiled loop (fxrt/_speedups) and the C++ runtime (csrc/), which fxrt.load runs.
+EXT_SOURCES := $(wildcard fxrt/_speedups/*.pyx fxrt/_speedups/*.h fxrt/_speedups/*.pxd csrc/src/*.cpp csrc/src/*.h csrc/include/fxrt/*.h)
 
 .PHONY: demo test sweep bench lint format clean
 
@@ -20,7 +21,7 @@ $(VENV)/.deps: Makefile
 	touch $@
 
 $(VENV)/.fxrt: $(VENV)/.deps setup.py pyproject.toml $(EXT_SOURCES)
-	@echo "==> [4/4] installing fxrt and building its C++ extension against that torch (about a minute)"
+	@echo "==> [4/4] installing fxrt and building its C++ extension and runtime against that torch (about two minutes)"
 	$(PIP) install --no-build-isolation -e .
 	@$(PY) -c "import fxrt; i = fxrt.runtime_info(); print('==> fxrt runs compiled graphs on its', i['executor'], 'loop:', i['reason'])"
 	touch $@

@@ -20,7 +20,24 @@ _FALSE = {"0", "false", "no", "off"}
 
 class BuildExtReplacing(build_ext):
     """build_ext that replaces the in-place extension file instead of rewriting it: a process that
-    has the old one loaded keeps a valid mapping (rewriting a loaded .so can crash it, SIGBUS)."""
+    has the old one loaded keeps a valid mapping (rewriting a loaded .so can crash it, SIGBUS);
+    and compiles an extension's sources on as many cores as there are (the runtime has ten)."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler.compile
+
+        def compile_all(sources, *args, **kwargs):
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+                parts = pool.map(lambda src: compile_one([src], *args, **kwargs), sources)
+                return [obj for objs in parts for obj in objs]
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_one
 
     def copy_file(self, infile, outfile, *args, **kwargs):
         tmp = f"{outfile}.{os.getpid()}.tmp"
@@ -90,19 +107,10 @@ def extensions() -> list:
 
     lib_dirs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    ext = Extension(
-        "fxrt._speedups._loop",
-        sources=["fxrt/_speedups/_loop.pyx"],
-        depends=glob("fxrt/_speedups/*.h"),
-        include_dirs=["fxrt/_speedups", *cpp_extension.include_paths()],
+    common = dict(
         library_dirs=lib_dirs,
         runtime_library_dirs=lib_dirs,
         libraries=["c10", "torch", "torch_cpu", "torch_python"],
-        define_macros=[
-            ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
-            ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
-            *cpu_stub_macros(cpp_extension),
-        ],
         extra_compile_args=[
             "-std=c++20",
             "-O2",
@@ -112,7 +120,30 @@ def extensions() -> list:
         ],
         language="c++",
     )
-    return cythonize([ext], compiler_directives={"language_level": 3}, quiet=True)
+    macros = [
+        ("FXRT_TORCH_VERSION", f'"{torch.__version__}"'),
+        ("_GLIBCXX_USE_CXX11_ABI", str(abi)),
+        *cpu_stub_macros(cpp_extension),
+    ]
+    loop = Extension(
+        "fxrt._speedups._loop",
+        sources=["fxrt/_speedups/_loop.pyx"],
+        depends=glob("fxrt/_speedups/*.h"),
+        include_dirs=["fxrt/_speedups", *cpp_extension.include_paths()],
+        define_macros=macros,
+        **common,
+    )
+    # The C++ runtime (csrc/src, the sources the C++ API builds, without Python) and its Python
+    # face; fxrt's own ops are registered by _loop, which fxrt imports first.
+    runtime = Extension(
+        "fxrt._speedups._runtime",
+        sources=["fxrt/_speedups/_runtime.pyx", *sorted(glob("csrc/src/*.cpp"))],
+        depends=[*glob("fxrt/_speedups/*.h"), *glob("csrc/src/*.h"), *glob("csrc/include/fxrt/*.h")],
+        include_dirs=["csrc/include", "fxrt/_speedups", *cpp_extension.include_paths()],
+        define_macros=[*macros, ("FXRT_NO_PYTHON", "1"), ("FXRT_OWN_OPS_REGISTERED", "1")],
+        **common,
+    )
+    return cythonize([loop, runtime], compiler_directives={"language_level": 3}, quiet=True)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExtReplacing})

@@ -211,14 +211,15 @@ def _int_packages(tmp_path):
 
 
 def test_a_loaded_package_calls_the_compiled_loop_itself(executor, tmp_path, monkeypatch):
-    """A call made as the package was exported goes from LoadedModel to the compiled loop with
+    """A call made as the package was exported goes from LoadedModel to the C++ runtime with
     no Python of fxrt's (its checks included), and equals eager; with kwargs, the Python loop,
-    or a profiler on, the call goes through LoadedModel._call."""
+    or a profiler on, the call goes through the model's _call."""
     skip_unless_executor(executor)
     taken = []
-    original = fxrt.deploy.loaded.LoadedModel._call
+    face = fxrt.deploy.loaded.PythonLoadedModel if executor == "python" else fxrt.deploy.LoadedModel
+    original = face._call
     monkeypatch.setattr(
-        fxrt.deploy.loaded.LoadedModel,
+        face,
         "_call",
         lambda self, args, kwargs: taken.append(1) or original(self, args, kwargs),
     )

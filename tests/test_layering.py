@@ -172,14 +172,47 @@ def test_load_path_stays_off_the_compile_side():
 
 def test_every_source_file_is_at_most_500_lines():
     """One idea per file: a file past 500 lines is split where its ideas part (Cython's
-    generated ``_loop.cpp`` aside)."""
+    generated ``_loop.cpp`` and ``_runtime.cpp`` aside)."""
     sources = [ROOT, ROOT.parent / "csrc"]
     long = {
         str(path.relative_to(ROOT.parent)): n
         for top in sources
         for path in top.rglob("*")
         if path.suffix in {".py", ".pyx", ".h", ".cpp"}
-        and path.name != "_loop.cpp"
+        and path.name not in {"_loop.cpp", "_runtime.cpp"}
         and (n := len(path.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+def test_one_runtime_behind_both_faces():
+    """The C++ runtime fxrt.load runs is the C++ API's library, not a copy: the extension's
+    ``fxrt._speedups._runtime`` compiles exactly the sources ``csrc/CMakeLists.txt`` builds
+    ``fxrt::runtime`` from (setup.py takes every ``csrc/src/*.cpp``)."""
+    import re
+
+    repo = ROOT.parent
+    listed = re.search(
+        r"add_library\(fxrt_runtime STATIC(.*?)\)", (repo / "csrc/CMakeLists.txt").read_text(), re.S
+    )
+    assert listed, "csrc/CMakeLists.txt: no fxrt_runtime library"
+    cmake = sorted(listed[1].split())
+    assert cmake == sorted(
+        str(p.relative_to(repo / "csrc")) for p in (repo / "csrc/src").glob("*.cpp")
+    )
+    assert 'glob("csrc/src/*.cpp")' in (repo / "setup.py").read_text()
+
+
+def test_the_runtime_face_checks_no_input_itself():
+    """One input-check implementation: the runtime's face uses the binder only for the call's
+    structure (flatten) and the constants the export specialized on; every value the program
+    receives is checked by the runtime (csrc/src/inputs.cpp)."""
+    tree = ast.parse((ROOT / "deploy" / "runtime_model.py").read_text())
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "_binder"
+    }
+    assert used == {"flatten", "check_constants", "n_args"}, used

@@ -42,20 +42,45 @@ const at::Tensor* tensor_of(const at::Tensor& t) {
 const at::Tensor* tensor_of(const IValue& v) {
   return v.isTensor() ? &v.toTensor() : nullptr;
 }
+struct Foreign : torch::CustomClassHolder {
+  explicit Foreign(std::string name) : name(std::move(name)) {}
+  std::string name;
+};
+
+// A value's kind as messages name it (Python's names, which read as well from C++).
 std::string kind_of(const at::Tensor&) {
   return "Tensor";
 }
 std::string kind_of(const IValue& v) {
+  if (v.isCapsule()) {
+    if (auto* f = dynamic_cast<const Foreign*>(v.toCapsule().get())) {
+      return clip(f->name, 60);
+    }
+  }
+  if (v.isInt()) return "int";
+  if (v.isDouble()) return "float";
+  if (v.isBool()) return "bool";
+  if (v.isNone()) return "NoneType";
+  if (v.isString()) return "str";
+  if (v.isList()) return "list";
+  if (v.isTuple()) return "tuple";
+  if (v.isGenericDict()) return "dict";
   return v.tagKind();
 }
 
 }  // namespace
 
+IValue foreign_value(const std::string& type_name) {
+  return IValue::make_capsule(c10::make_intrusive<Foreign>(type_name));
+}
+
 void Model::Impl::load_signature(const Value& sig) {
+  check_signature(sig);
   const std::string at = "signature";
   const Value& ranges = object(sig, "ranges", at);
   const Value& dims = object(sig, "dims", at);
   std::map<std::string, int> symbol_of;
+  std::map<std::string, std::string> ranged;  // a size with a range -> "batch (s0) in [2, 16]"
   for (const auto& [name, r] : ranges.o) {
     if (!r.is_array() || r.a.size() != 2 || name.size() > 40) {
       fail("signature: malformed range");
@@ -66,6 +91,7 @@ void Model::Impl::load_signature(const Value& sig) {
     s.name = dim != nullptr && dim->is_string() ? clip(dim->s, 80) + " (" + name + ")" : name;
     s.lo = integer(r.a[0], at, 0, INT64_MAX);
     s.hi = r.a[1].is_null() ? -1 : integer(r.a[1], at, 0, INT64_MAX);
+    ranged[name] = s.name + " in [" + std::to_string(s.lo) + ", " + bound_text(s.hi) + "]";
     if (!is_symbol(name)) {  // a derived size's range ("s0 + 1"): checked with the expression
       derived_ranges[name] = {s.lo, s.hi};
       continue;
@@ -74,10 +100,12 @@ void Model::Impl::load_signature(const Value& sig) {
     symbols.push_back(std::move(s));
   }
   // A size: a static one, a symbol (with its range, or unbounded) or a derived expression.
+  std::vector<std::string> dim_text;  // the input's sizes as the signature writes them
   auto size_of = [&](const Value& d, UserInput& u, const std::string& where) {
     int sym = -1;
     if (d.is_int()) {
       int64_t n = integer(d, where, 0, INT64_MAX);
+      dim_text.push_back(std::to_string(n));
       u.info.sizes.push_back(n);
       u.info.min_sizes.push_back(n);
       u.info.max_sizes.push_back(n);
@@ -89,6 +117,7 @@ void Model::Impl::load_signature(const Value& sig) {
     if (e.size() > 2000) {
       fail(where + ": size expression too long");
     }
+    dim_text.push_back(e);
     auto it = symbol_of.find(e);
     if (it == symbol_of.end() && is_symbol(e)) {  // a symbol without a range
       it = symbol_of.emplace(e, static_cast<int>(symbols.size())).first;
@@ -107,7 +136,7 @@ void Model::Impl::load_signature(const Value& sig) {
   };
   const std::vector<Value>& inputs = array(sig, "inputs", at).a;
   if (inputs.size() != input_regs.size()) {
-    fail("signature: " + std::to_string(inputs.size()) + " inputs for " +
+    fail(std::to_string(inputs.size()) + " signature inputs for " +
          std::to_string(input_regs.size()) + " graph inputs");
   }
   std::map<std::string, size_t> user_of;  // user input name -> index in users
@@ -152,9 +181,22 @@ void Model::Impl::load_signature(const Value& sig) {
         if (shape.a.size() > static_cast<size_t>(kMaxDims)) {
           fail(where + ": too many dims");
         }
+        dim_text.clear();
         for (const Value& d : shape.a) {
           size_of(d, u, where);
         }
+        // As fxrt.deploy.signature's InputSig.describe: "float32[s0, 8]@cuda:0 with batch (s0)
+        // in [2, 16]".
+        u.exported = dtype_name(u.info.dtype) + "[";
+        std::string with;
+        for (size_t d = 0; d < dim_text.size(); ++d) {
+          u.exported += (d ? ", " : "") + dim_text[d];
+          auto r = ranged.find(dim_text[d]);
+          if (r != ranged.end()) {
+            with += (with.empty() ? " with " : ", ") + r->second;
+          }
+        }
+        u.exported += "]" + (u.device.is_cpu() ? std::string() : "@" + u.device.str()) + with;
       }
       src.kind = Source::USER;
       src.index = users.size();
@@ -200,39 +242,23 @@ void Model::Impl::load_signature(const Value& sig) {
   }
 }
 
-void Model::Impl::input_error(const UserInput& u, const std::string& why) const {
-  std::ostringstream s;
-  s << "fxrt: " << u.label << ": " << why << "; exported for ";
-  auto dim = [&](size_t d) {
-    if (u.symbol[d] >= 0) {
-      const Symbol& sym = symbols[static_cast<size_t>(u.symbol[d])];
-      s << sym.name << " in [" << sym.lo << ", " << bound_text(sym.hi) << "]";
-      return;
-    }
-    if (u.fixed[d]) {
-      s << u.info.sizes[d];
-      return;
-    }
-    for (const auto& [k, expr] : u.derived) {
-      if (k == d) {
-        s << expr;
-        return;
+// As fxrt.deploy.binder words it: "fxrt: input 'x' (args[0]): <why> (exported: float32[s0, 8]
+// with batch (s0) in [2, 16]; got float64[4, 8])"; an int input without the parenthesis.
+void Model::Impl::input_error(const UserInput& u, const std::string& why, const at::Tensor* got)
+    const {
+  std::string text = "fxrt: " + u.label + ": " + why;
+  if (!u.info.is_int) {
+    text += " (exported: " + u.exported;
+    if (got != nullptr) {
+      text += "; got " + dtype_name(got->scalar_type()) + "[";
+      for (int64_t d = 0; d < got->dim(); ++d) {
+        text += (d ? ", " : "") + std::to_string(got->size(d));
       }
+      text += "]" + (got->device().is_cpu() ? std::string() : "@" + got->device().str());
     }
-    s << "?";
-  };
-  if (u.info.is_int) {
-    s << "an int, ";
-    dim(0);
-    throw InputError(s.str());
+    text += ")";
   }
-  s << c10::toString(u.info.dtype) << "[";
-  for (size_t d = 0; d < u.info.sizes.size(); ++d) {
-    s << (d ? ", " : "");
-    dim(d);
-  }
-  s << "]";
-  throw InputError(s.str());
+  throw InputError(text);
 }
 
 template <class T>
@@ -248,19 +274,25 @@ void Model::Impl::check_user_inputs(const std::vector<T>& inputs) const {
   // Per symbol: its value in this call, and where it was first read (user input, dim).
   std::vector<int64_t> bound(symbols.size(), -1);
   std::vector<std::pair<size_t, size_t>> from(symbols.size());
+  // The tensor of user input k for the message, or nullptr for an int.
+  auto got_of = [&](size_t k) -> const at::Tensor* {
+    return users[k].info.is_int ? nullptr : tensor_of(inputs[k]);
+  };
   auto bind = [&](size_t k, size_t d, int sym_index, int64_t got, const std::string& what) {
     const Symbol& sym = symbols[static_cast<size_t>(sym_index)];
+    const at::Tensor* got_tensor = got_of(k);
     if (got < sym.lo || (sym.hi >= 0 && got > sym.hi)) {
       input_error(
           users[k], what + " is outside the range of " + sym.name + ", [" +
-              std::to_string(sym.lo) + ", " + bound_text(sym.hi) + "]");
+              std::to_string(sym.lo) + ", " + bound_text(sym.hi) + "]", got_tensor);
     }
     int64_t& b = bound[static_cast<size_t>(sym_index)];
     if (b >= 0 && b != got) {
       const auto& [k0, d0] = from[static_cast<size_t>(sym_index)];
       input_error(
           users[k], what + ", but " + sym.name + " = " + std::to_string(b) + " from " +
-              users[k0].label + (users[k0].info.is_int ? "" : " dim " + std::to_string(d0)));
+              users[k0].label + (users[k0].info.is_int ? "" : " dim " + std::to_string(d0)),
+          got_tensor);
     }
     if (b < 0) {
       b = got;
@@ -282,18 +314,24 @@ void Model::Impl::check_user_inputs(const std::vector<T>& inputs) const {
     }
     const at::Tensor& x = *t;
     if (x.scalar_type() != u.info.dtype) {
-      input_error(u, std::string("dtype ") + c10::toString(x.scalar_type()));
+      input_error(
+          u, "dtype " + dtype_name(x.scalar_type()) + ", exported for " + dtype_name(u.info.dtype),
+          &x);
     }
     if (x.device() != u.device) {
-      input_error(u, "device " + x.device().str());
+      input_error(u, "device " + x.device().str() + ", exported for " + u.device.str(), &x);
     }
     if (x.dim() != static_cast<int64_t>(u.info.sizes.size())) {
-      input_error(u, std::to_string(x.dim()) + " dims");
+      input_error(
+          u, std::to_string(x.dim()) + " dims, exported for " +
+              std::to_string(u.info.sizes.size()), &x);
     }
     for (size_t d = 0; d < u.info.sizes.size(); ++d) {
       int64_t got = x.size(static_cast<int64_t>(d));
       if (u.fixed[d] && got != u.info.sizes[d]) {
-        input_error(u, "dim " + std::to_string(d) + ": size " + std::to_string(got) + " (static)");
+        input_error(
+            u, "dim " + std::to_string(d) + ": size " + std::to_string(got) + ", exported for " +
+                std::to_string(u.info.sizes[d]) + " (static)", &x);
       }
       if (u.symbol[d] >= 0) {
         bind(k, d, u.symbol[d], got, "dim " + std::to_string(d) + ": size " + std::to_string(got));
@@ -341,10 +379,10 @@ void Model::Impl::check_user_inputs(const std::vector<T>& inputs) const {
       auto range = derived_ranges.find(expr);
       if (range != derived_ranges.end() &&
           (got < range->second.first || (range->second.second >= 0 && got > range->second.second))) {
-        input_error(u, what + " outside " + expr + "'s range");
+        input_error(u, what + " is outside the range of " + expr, got_of(k));
       }
       if (want.has_value() && got != *want) {
-        input_error(u, what + ", expected " + expr + " = " + std::to_string(*want));
+        input_error(u, what + ", expected " + expr + " = " + std::to_string(*want), got_of(k));
       }
     }
   }

@@ -137,6 +137,9 @@ class Parser {
     if (peek() == '-') {
       ++pos_;
     }
+    if (pos_ < t_.size() && (t_[pos_] == 'N' || t_[pos_] == 'I')) {
+      fail("NaN and Infinity are not JSON");
+    }
     if (pos_ >= t_.size() || !isdigit(static_cast<unsigned char>(t_[pos_]))) {
       fail("expected a value");
     }

@@ -29,7 +29,9 @@
 #include "decode.h"
 #include "sha256.h"
 
-#include "own_ops.h"  // fxrt's own CPU ops, which graphs may call
+#ifndef FXRT_OWN_OPS_REGISTERED
+#include "own_ops.h"  // fxrt's own CPU ops, which graphs may call (in Python: the extension's)
+#endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +41,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -49,6 +52,29 @@ namespace fxrt {
 using json::clip;
 using json::Value;
 using namespace decode;
+
+namespace {
+
+bool is_identifier(std::string_view s) {
+  return !s.empty() && !std::isdigit(static_cast<unsigned char>(s[0])) &&
+      std::all_of(s.begin(), s.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+      });
+}
+
+// "ns::name" or "ns::name.overload", each part an identifier (as fxrt.serialize's resolve_op).
+bool is_op_name(std::string_view s) {
+  size_t sep = s.find("::");
+  if (sep == std::string_view::npos) {
+    return false;
+  }
+  std::string_view rest = s.substr(sep + 2);
+  size_t dot = rest.find('.');
+  return is_identifier(s.substr(0, sep)) && is_identifier(rest.substr(0, dot)) &&
+      (dot == std::string_view::npos || is_identifier(rest.substr(dot + 1)));
+}
+
+}  // namespace
 
 const c10::OperatorHandle& Model::Impl::op(const Value& name, const std::string& where) const {
   const std::string& s = string(name, where + ": op");
@@ -66,12 +92,15 @@ void Model::Impl::check_ops(const Value& table, const Value& producer) {
     if (!schema.is_string() || name.size() > 200) {
       fail("ops: malformed entry " + clip(name));
     }
+    if (!is_op_name(name)) {
+      fail("ops: " + clip(name, 80) + " is not an op name");
+    }
     auto handle = c10::Dispatcher::singleton().findSchema(op_name(name));
     for (const char* op : {"::scope_enter", "::scope_exit", "::record", "::wait"}) {
       if (!handle.has_value() && name.size() > std::strlen(op) &&
           name.compare(name.size() - std::strlen(op), std::string::npos, op) == 0 &&
           (name.rfind("fxrt::", 0) == 0 || name.rfind("air::", 0) == 0)) {
-        throw PackageError(
+        throw Unsupported(
             "fxrt package: op " + clip(name, 200) +
             " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
             "this package)");
@@ -96,13 +125,44 @@ void Model::Impl::check_ops(const Value& table, const Value& producer) {
 
 // ---------------------------------------------------------------------------------------------
 
-Model::Model(const std::string& path, LoadOptions options) : impl_(std::make_unique<Impl>()) {
-  RawPackage raw = read_package(path, options.verify_weights);
+Model::Model() : impl_(std::make_unique<Impl>()) {}
+
+Model::Model(const std::string& path, LoadOptions options) : Model() {
+  load(read_package(path, options.verify_weights), options);
+}
+
+Model Model::from_bytes(const void* data, size_t size, LoadOptions options) {
+  Model model;
+  auto file = std::make_shared<MappedFile>(static_cast<const uint8_t*>(data), size);
+  model.load(read_package(std::move(file), options.verify_weights), options);
+  return model;
+}
+
+void Model::load(RawPackage raw, const LoadOptions& options) {
   Impl& m = *impl_;
   m.file = raw.file;
+  m.manifest_text = raw.manifest_text;
   Value& manifest = raw.manifest;
   if (!manifest.is_object()) {
     fail("the manifest is not an object");
+  }
+  // The fields of fxrt.deploy.build's manifest, every one required but the program.
+  static const char* const kFields[] = {
+      "format", "producer", "module", "device", "options", "runtime_options", "graph", "ops",
+      "signature", "weights", "info", "program"};
+  size_t known = 0;
+  bool complete = true;
+  for (const char* f : kFields) {
+    bool here = manifest.find(f) != nullptr;
+    known += here ? 1 : 0;
+    complete = complete && (here || std::string_view(f) == "program");
+  }
+  if (known != manifest.o.size() || !complete) {
+    std::string names;
+    for (const auto& [k, v] : manifest.o) {
+      names += (names.empty() ? "'" : ", '") + clip(k, 40) + "'";
+    }
+    fail("manifest fields [" + names + "]");
   }
   const Value* module = manifest.find("module");
   m.module = module != nullptr && module->is_string() ? clip(module->s, 200) : "?";
@@ -110,7 +170,7 @@ Model::Model(const std::string& path, LoadOptions options) : impl_(std::make_uni
   if (program == nullptr || program->is_null()) {
     const Value* info = manifest.find("info");
     const Value* why = info != nullptr ? info->find("cpp") : nullptr;
-    throw PackageError(
+    throw Unsupported(
         "fxrt package: it stores no program for the C++ runtime (" +
         (why != nullptr && why->is_string() ? clip(why->s, 300)
                                            : std::string("made by an older fxrt; export it again")) +
@@ -131,10 +191,22 @@ Model::Model(const std::string& path, LoadOptions options) : impl_(std::make_uni
     }
     m.cross_type = m.device.type() != exported.type();
   }
+  // The options of fxrt.load the package defaults to (the stored program was lowered with them;
+  // pure_python and arena_max_idle concern hosts with a Python loop): checked, not used.
+  for (const auto& [key, v] : object(manifest, "runtime_options", "manifest").o) {
+    if (key == "arena_max_idle") {
+      integer(v, "runtime_options: arena_max_idle", 0, int64_t{1} << 20);
+    } else if (key != "pure_python" && key != "arena" && key != "check_inputs") {
+      fail("unknown runtime options [" + clip(key, 40) + "]");
+    } else if (v.type != Value::BOOL) {
+      fail("runtime_options: " + key + " must be a bool");
+    }
+  }
   m.check_ops(object(manifest, "ops", "manifest"), object(manifest, "producer", "manifest"));
   m.load_weights(raw, object(manifest, "weights", "manifest"));
   m.load_program(raw, manifest, *manifest.find("program"));
   m.load_signature(object(manifest, "signature", "manifest"));
+  m.check_weights(raw, manifest);
 }
 
 Model::~Model() = default;
@@ -151,16 +223,21 @@ Registers Model::Impl::execute(Registers regs) const {
   GilState gil(false);
   try {
     exec->execute<false, false>(regs, NoForms{}, gil, failure, nullptr, false);
-  } catch (const c10::Error& e) {
-    std::string at = failure.pc >= 0 && static_cast<size_t>(failure.pc) < where.size()
-        ? where[static_cast<size_t>(failure.pc)]
-        : "the program";
-    throw RunError("fxrt: " + at + " failed: " + e.what_without_backtrace());
   } catch (const std::exception& e) {
     std::string at = failure.pc >= 0 && static_cast<size_t>(failure.pc) < where.size()
         ? where[static_cast<size_t>(failure.pc)]
         : "the program";
-    throw RunError("fxrt: " + at + " failed: " + e.what());
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    RunError::Cause cause = dynamic_cast<const c10::IndexError*>(&e) ? RunError::INDEX
+        : dynamic_cast<const c10::ValueError*>(&e)                  ? RunError::VALUE
+        : dynamic_cast<const c10::TypeError*>(&e)                   ? RunError::TYPE
+        : dynamic_cast<const c10::NotImplementedError*>(&e)         ? RunError::NOT_IMPLEMENTED
+        : dynamic_cast<const c10::OutOfMemoryError*>(&e) || dynamic_cast<const std::bad_alloc*>(&e)
+        ? RunError::OUT_OF_MEMORY
+        : RunError::OTHER;
+    throw RunError(
+        "fxrt: " + at + " failed: " + (c10_error ? c10_error->what_without_backtrace() : e.what()),
+        cause);
   }
   return regs;
 }
@@ -259,6 +336,10 @@ size_t Model::num_instructions() const {
 
 c10::Device Model::device() const {
   return impl_->device;
+}
+
+std::string_view Model::manifest_json() const {
+  return impl_->manifest_text;
 }
 
 }  // namespace fxrt

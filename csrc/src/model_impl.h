@@ -37,6 +37,10 @@ struct Symbol {
 
 bool is_symbol(const std::string& s);
 
+// The signature's fields and types, as fxrt.deploy.signature reads them (signature.cpp); throws
+// PackageError.
+void check_signature(const json::Value& sig);
+
 // One immutable set of weights: a tensor per weight id (tied ids hold the same tensor).
 struct WeightSet {
   std::vector<at::Tensor> tensors;
@@ -44,6 +48,7 @@ struct WeightSet {
 
 struct Model::Impl {
   std::shared_ptr<MappedFile> file;
+  std::string_view manifest_text;  // in `file`
   std::string module;
   c10::Device device{c10::kCPU};
   bool cross_type = false;  // running on another device type than the export's: no arena
@@ -74,6 +79,7 @@ struct Model::Impl {
     std::vector<int> symbol;  // per dim (an int: one entry): index into symbols, or -1
     std::vector<bool> fixed;  // per dim: a static size
     std::vector<std::pair<size_t, std::string>> derived;  // dim (an int: 0), size expression
+    std::string exported;  // what it was exported for, as messages say it ("float32[s0, 8] with ...")
   };
   std::vector<UserInput> users;
   size_t n_int_users = 0;
@@ -111,12 +117,14 @@ struct Model::Impl {
   // weights.cpp
   void load_weights(const RawPackage& raw, const json::Value& records);
   size_t mapped(const WeightSet& set) const;
+  void check_weights(const RawPackage& raw, const json::Value& manifest) const;
 
   // inputs.cpp
   void load_signature(const json::Value& sig);
   template <class T>
   void check_user_inputs(const std::vector<T>& inputs) const;
-  [[noreturn]] void input_error(const UserInput& u, const std::string& why) const;
+  [[noreturn]] void input_error(
+      const UserInput& u, const std::string& why, const at::Tensor* got = nullptr) const;
   [[noreturn]] void mismatch(const Registers& regs) const;
 };
 

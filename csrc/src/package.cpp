@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
+#include <utility>
 
 namespace fxrt {
 
@@ -153,9 +155,19 @@ MappedFile::MappedFile(const std::string& path) {
   data_ = static_cast<uint8_t*>(p);
 }
 
+MappedFile::MappedFile(const uint8_t* bytes, size_t size) : size_(size), mapped_(false) {
+  if (size_ == 0) {
+    throw PackageError("empty bytes, not an fxrt package");
+  }
+  data_ = static_cast<uint8_t*>(::operator new(size_, std::align_val_t{kAlign}));
+  std::memcpy(data_, bytes, size_);
+}
+
 MappedFile::~MappedFile() {
-  if (data_ != nullptr) {
+  if (data_ != nullptr && mapped_) {
     ::munmap(data_, size_);
+  } else if (data_ != nullptr) {
+    ::operator delete(data_, std::align_val_t{kAlign});
   }
 }
 
@@ -224,8 +236,12 @@ std::map<std::string, Entry> read_safetensors(
 }
 
 RawPackage read_package(const std::string& path, bool verify_weights) {
+  return read_package(std::make_shared<MappedFile>(path), verify_weights);
+}
+
+RawPackage read_package(std::shared_ptr<MappedFile> file, bool verify_weights) {
   RawPackage raw;
-  raw.file = std::make_shared<MappedFile>(path);
+  raw.file = std::move(file);
   const uint8_t* buf = raw.file->data();
   const uint64_t size = raw.file->size();
   if (size < kPrelude) {
@@ -284,11 +300,13 @@ RawPackage read_package(const std::string& path, bool verify_weights) {
       throw PackageError("fxrt package is damaged: its weights do not match their SHA-256");
     }
   }
-  raw.manifest = json::parse(
-      std::string_view(reinterpret_cast<const char*>(buf + m_off), m_len), "manifest");
+  raw.manifest_text = std::string_view(reinterpret_cast<const char*>(buf + m_off), m_len);
+  raw.manifest = json::parse(raw.manifest_text, "manifest");
   const json::Value* format = raw.manifest.find("format");
   if (format == nullptr || !format->is_string() || format->s != "fxrt-package/1") {
-    throw PackageError("not an fxrt-package/1 package");
+    throw PackageError(
+        "not an fxrt-package/1 package (format " +
+        (format != nullptr && format->is_string() ? "'" + json::clip(format->s, 40) + "'" : "?") + ")");
   }
 
   raw.entries = read_safetensors(buf, w_off, w_len, raw.data_start);

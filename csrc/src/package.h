@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fxrt {
@@ -17,6 +18,8 @@ namespace fxrt {
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path);
+  // A package given as bytes: an aligned private copy of them (writable, as a private mapping).
+  MappedFile(const uint8_t* bytes, size_t size);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -26,6 +29,7 @@ class MappedFile {
  private:
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  bool mapped_ = true;
 };
 
 // One tensor of the weights section: `begin`/`end` are offsets in its data.
@@ -39,6 +43,7 @@ struct Entry {
 struct RawPackage {
   std::shared_ptr<MappedFile> file;
   json::Value manifest;
+  std::string_view manifest_text;  // the manifest's JSON, in `file`
   std::map<std::string, Entry> entries;
   uint64_t data_start = 0;  // file offset of the weights' data
 };
@@ -52,8 +57,9 @@ std::map<std::string, Entry> read_safetensors(
     uint64_t length,
     uint64_t& data_start);
 
-// Reads and checks `path`; throws PackageError.
+// Reads and checks `path` (or a package's bytes); throws PackageError.
 RawPackage read_package(const std::string& path, bool verify_weights);
+RawPackage read_package(std::shared_ptr<MappedFile> file, bool verify_weights);
 
 // The torch dtype of a safetensors code, and its item size; false if unknown.
 bool safetensors_dtype(const std::string& code, int& scalar_type, int64_t& itemsize);

@@ -108,7 +108,7 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
     const std::string& node_name = nodes.a[static_cast<size_t>(node)].s;
     at += " (node " + clip(node_name) + ")";
     if (kind == "STREAM" || kind == "RECORD" || kind == "WAIT") {
-      throw PackageError(
+      throw Unsupported(
           "fxrt package: node " + clip(node_name) +
           " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
           "this package)");
@@ -119,7 +119,7 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
     }
     const std::string& opname = string(member(ins, "op", at), at + ": op");
     if (kind == "PYCALL") {
-      throw PackageError(
+      throw Unsupported(
           "fxrt package: node " + clip(node_name) + " runs Python (" + clip(opname, 80) +
           "); the C++ runtime cannot run this package (python -m fxrt inspect lists such nodes)");
     }

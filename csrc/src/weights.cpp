@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -110,7 +111,8 @@ void Model::Impl::load_weights(const RawPackage& raw, const Value& records) {
     safetensors_dtype(e->second.dtype, st, itemsize);
     auto type = static_cast<c10::ScalarType>(st);
     if (short_dtype(member(r, "dtype", where), where) != type) {
-      fail(where + ": dtype does not match its entry's");
+      fail(where + ": dtype " + clip(member(r, "dtype", where).s, 20) + " but its entry is " +
+           e->second.dtype);
     }
     std::vector<int64_t> shape = ints(member(r, "shape", where), where, 0, int64_t{1} << 62);
     std::vector<int64_t> stride = ints(member(r, "stride", where), where, 0, int64_t{1} << 62);
@@ -154,6 +156,46 @@ void Model::Impl::load_weights(const RawPackage& raw, const Value& records) {
     }
   }
   current.store(std::move(set));
+}
+
+// After the program and signature are loaded: each weight has the geometry the program was
+// compiled for (its guard), and every entry of the weights section is used by a weight or a
+// graph tensor, as fxrt.deploy.loaded requires.
+void Model::Impl::check_weights(const RawPackage& raw, const Value& manifest) const {
+  std::shared_ptr<const WeightSet> set = current.load();
+  for (const auto& [pos, spec] : specs) {
+    const Source& s = sources[static_cast<size_t>(pos)];
+    if (s.kind != Source::WEIGHT) {
+      continue;
+    }
+    const at::Tensor& t = set->tensors[s.index];
+    bool ok = t.scalar_type() == spec.dtype && t.dim() == static_cast<int64_t>(spec.sizes.size());
+    for (size_t d = 0; ok && d < spec.sizes.size(); ++d) {
+      ok = (spec.sizes[d] < 0 || spec.sizes[d] == t.size(static_cast<int64_t>(d))) &&
+          (spec.strides.size() != spec.sizes.size() || spec.strides[d] < 0 ||
+           spec.strides[d] == t.stride(static_cast<int64_t>(d)));
+    }
+    if (!ok) {
+      fail("weight \"" + clip(weight_names[s.index]) + "\" does not match graph " +
+           input_names[static_cast<size_t>(pos)]);
+    }
+  }
+  std::set<std::string> used;
+  for (const auto& [name, r] : object(manifest, "weights", "manifest").o) {
+    used.insert(string(member(r, "entry", name), name));
+  }
+  const Value* graph = manifest.find("graph");
+  const Value* tensors = graph != nullptr ? graph->find("tensors") : nullptr;
+  if (tensors != nullptr && tensors->is_object()) {
+    for (const auto& [name, r] : tensors->o) {
+      used.insert("graph/" + name);
+    }
+  }
+  for (const auto& [name, e] : raw.entries) {
+    if (used.count(name) == 0) {
+      fail("weights section entries used by nothing: [" + clip(name) + "]");
+    }
+  }
 }
 
 // The graph's constants (tensors fxrt made, stored as "graph/<name>" entries; scalars): each

@@ -16,7 +16,11 @@ Each call:
    compiled graph itself (:mod:`fxrt.exec.inputs`, in C++ on the compiled loop); when it
    refuses a call, :meth:`Binder.check` runs to name the input: its parameter name and path, the
    dimension, the symbol (and its ``Dim`` name) and the range;
-3. hands the leaves to :class:`fxrt.deploy.loaded.LoadedModel`, which puts the weights in front.
+3. hands the leaves to :class:`fxrt.deploy.python_loader.PythonLoadedModel`, which puts the
+   weights in front.
+
+On the C++ runtime (:mod:`fxrt.deploy.runtime_model`) only :meth:`Binder.flatten` and
+:meth:`Binder.check_constants` run: the runtime checks the values itself, with these words.
 
 A Binder is built once per loaded package and holds no per-call state, so threads share it.
 """
@@ -218,10 +222,7 @@ class Binder:
                         f"{prev[1].label()} dim {prev[2]}",
                         x,
                     )
-        for leaf, s in self.constants:
-            x = leaves[leaf]
-            if type(x) is not type(s.value) or x != s.value:
-                raise self._error(s, f"exported with the constant {s.value!r}, got {x!r}")
+        self.check_constants(leaves)
         # Int inputs after the tensors: a bare symbol is checked against its range and binds it
         # (or must equal the value a tensor dim bound it to); a derived one is checked below.
         for leaf, s in self.symints:
@@ -246,6 +247,13 @@ class Binder:
                 )
         if self.derived or self.symints:
             self._check_derived(leaves, bound)
+
+    def check_constants(self, leaves: Sequence[Any]) -> None:
+        """Raise :class:`fxrt.InputError` for the first constant that is not the exported one."""
+        for leaf, s in self.constants:
+            x = leaves[leaf]
+            if type(x) is not type(s.value) or x != s.value:
+                raise self._error(s, f"exported with the constant {s.value!r}, got {x!r}")
 
     def _check_derived(self, leaves: Sequence[Any], bound: dict[str, Any]) -> None:
         env = {k: v[0] for k, v in bound.items()}

@@ -27,9 +27,11 @@ Reading a package never runs code and never trusts a byte before it is checked:
    reads every page of the weights).
 3. The manifest JSON (no duplicate keys, no NaN) and the weights header
    (:func:`fxrt.deploy.tensorfile.read_header`).
-4. :mod:`fxrt.deploy.loaded` then validates the manifest's fields, the op schemas and the graph
-   (through :func:`fxrt.serialize.decode_graph`, as cache artifacts are), and recomputes the
-   plan and program.
+4. The C++ runtime (csrc/src, :mod:`fxrt.deploy.runtime_model`) reads the file the same way
+   and validates what it runs: the manifest's fields, the op schemas, the program, the weights
+   and the signature. :mod:`fxrt.deploy.python_loader` validates the graph (through
+   :func:`fxrt.serialize.decode_graph`, as cache artifacts are) where it is decoded, and
+   recomputes the plan and program.
 
 The hashes catch accidents (truncated downloads, bad disks); they are not signatures. Safety
 against a hostile file comes from the validation, which runs whatever the hashes say.

@@ -63,6 +63,8 @@ class ExtensionStatus:
     reason: str  # why it is (not) usable, for runtime_info() and the fallback warning
     path: str | None = None  # the extension's file, when it imported
     built_torch: str | None = None  # torch.__version__ it was compiled against
+    # The C++ runtime's face (fxrt._speedups._runtime, built with the loop): fxrt.load's loader.
+    runtime: ModuleType | None = None
 
     @property
     def usable(self) -> bool:
@@ -90,7 +92,11 @@ def _load() -> ExtensionStatus:
             path,
             built,
         )
-    return ExtensionStatus(_loop, f"extension built for torch {built}", path, built)
+    try:
+        runtime = importlib.import_module("fxrt._speedups._runtime")
+    except Exception:  # an older build without it: fxrt.load reads packages in Python
+        runtime = None
+    return ExtensionStatus(_loop, f"extension built for torch {built}", path, built, runtime)
 
 
 _status = _load()  # once per process, at import
@@ -123,9 +129,16 @@ def native_available() -> bool:
 
 if _status.usable:
     _Executor: type = _status.module.Executor
-    set_instrumenting = _status.module.set_instrumenting
+
+    def set_instrumenting(on: bool) -> None:
+        """Whether an fxrt.profile() block is open: the compiled loop's and the runtime's calls
+        then take their instrumented (Python) paths."""
+        _status.module.set_instrumenting(on)
+        if _status.runtime is not None:
+            _status.runtime.set_instrumenting(on)
+
     NativeReplayIndex: type | None = _status.module.ReplayIndex  # see fxrt.exec.replays
-    NativePackageEntry: type | None = _status.module.PackageEntry  # see fxrt.deploy.loaded
+    NativePackageEntry: type | None = _status.module.PackageEntry  # see fxrt.deploy.python_loader
 else:
 
     class _Executor:  # the base NativeLoop gets when there is no extension; it refuses to build

@@ -26,6 +26,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -36,6 +37,13 @@ class PackageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A valid package that this runtime cannot run: one that stores no program for it, switches
+// streams, or calls Python. fxrt.load runs such packages; the message says why.
+class Unsupported : public PackageError {
+ public:
+  using PackageError::PackageError;
+};
+
 class InputError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
@@ -43,7 +51,11 @@ class InputError : public std::invalid_argument {
 
 class RunError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  // What the failed op raised (c10::IndexError, ...), for hosts that map it to their own types.
+  enum Cause { OTHER = 0, INDEX = 1, VALUE = 2, TYPE = 3, NOT_IMPLEMENTED = 4, OUT_OF_MEMORY = 5 };
+  explicit RunError(const std::string& what, Cause cause = OTHER)
+      : std::runtime_error(what), cause(cause) {}
+  Cause cause;
 };
 
 // What an input of the model takes: a tensor (dtype, device and sizes, with "s0"-style symbols
@@ -68,9 +80,17 @@ struct LoadOptions {
   std::optional<c10::Device> device;
 };
 
+// An input a host could not convert to a tensor or a number (a Python list where a tensor is
+// expected), given to run() so that the input check names it: "expected a tensor, got a list".
+c10::IValue foreign_value(const std::string& type_name);
+
+struct RawPackage;  // the runtime's own (src/package.h)
+
 class Model {
  public:
   explicit Model(const std::string& path, LoadOptions options = {});
+  // A package given as its bytes (copied; the weights are views of the copy).
+  static Model from_bytes(const void* data, size_t size, LoadOptions options = {});
   ~Model();
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
@@ -106,12 +126,15 @@ class Model {
   const std::string& module_name() const;
   size_t num_instructions() const;
   c10::Device device() const;  // where the weights are and the program runs
+  std::string_view manifest_json() const;  // the package's manifest (a view of the loaded file)
   // How many of the current weights are views of the memory-mapped file (all of them after a
   // load onto the CPU; fewer after update_weights or on another device).
   size_t mapped_weights() const;
 
  private:
   struct Impl;
+  Model();
+  void load(RawPackage raw, const LoadOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

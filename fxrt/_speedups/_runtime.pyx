@@ -1,0 +1,135 @@
+# distutils: language = c++
+# cython: language_level=3, binding=False
+"""Python face of fxrt's C++ runtime (csrc/: the package loader, binder, input checks and weights
+that the C++ API ships, compiled into this module): ``Model`` loads a package and runs it.
+
+fxrt.deploy.loaded builds LoadedModel on it. A call made as the package was exported (positional
+leaves only, no profiler or ``__torch_function__`` to honour) goes from ``Model.__call__`` to the
+runtime with no Python frame; any other goes to the subclass's ``_call(args, kwargs)``.
+"""
+
+from libcpp cimport bool as cbool
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+
+
+cdef extern from "runtime_face.h" namespace "fxrt":
+    void raise_runtime_error()
+    void set_face_errors(object package, object unsupported, object input, object run)
+
+    cdef cppclass CRuntimeModel "fxrt::Model":
+        size_t num_outputs()
+        const string& module_name()
+        size_t num_instructions()
+        size_t mapped_weights()
+
+    cdef cppclass CFaceModel "fxrt::FaceModel":
+        CFaceModel(object source, const string& device, cbool verify) except +raise_runtime_error
+        object run(object args) except +raise_runtime_error
+        object state_dict() except +raise_runtime_error
+        void update_weights(object weights, cbool strict) except +raise_runtime_error
+        object inputs() except +raise_runtime_error
+        object manifest_json() except +raise_runtime_error
+        const CRuntimeModel& model()
+
+
+from torch._C import _has_torch_function
+
+
+def set_errors(package, unsupported, input, run):
+    """The Python exceptions the runtime's errors become: PackageError, the error of a valid
+    package the runtime cannot run, InputError, and ``run(message, cause)`` building the
+    exception of a failed op (cause: fxrt::RunError::Cause)."""
+    set_face_errors(package, unsupported, input, run)
+
+
+cdef class Model:
+    """One package loaded by the C++ runtime: ``Model(path_or_bytes, device, verify_weights)``."""
+
+    cdef unique_ptr[CFaceModel] _m
+    cdef Py_ssize_t _direct_args
+    cdef cbool _direct_plain
+
+    def __init__(self, source, device, cbool verify_weights):
+        self._m.reset(new CFaceModel(source, (device or "").encode(), verify_weights))
+        self._direct_args = -1
+
+    def _set_direct(self, Py_ssize_t n_args):
+        """Calls of ``n_args`` positional arguments with one output go to the runtime directly."""
+        self._direct_args = n_args
+
+    def __call__(self, *args, **kwargs):
+        if kwargs or len(args) != self._direct_args or _hooks_on(args):
+            return self._call(args, kwargs)
+        return self._m.get().run(args)[0]
+
+    def _call(self, args, kwargs):
+        raise NotImplementedError
+
+    def run(self, leaves):
+        """The outputs (a list) of a call on the user inputs in call order (constants left
+        out), as the C++ API's ``Model::run``."""
+        return self._m.get().run(leaves)
+
+    def state_dict(self):
+        """The current weights by name (tied names map to one tensor)."""
+        return self._m.get().state_dict()
+
+    def _update_weights(self, weights, cbool strict):
+        self._m.get().update_weights(weights, strict)
+
+    @property
+    def inputs(self):
+        """The user inputs in call order: ``(name, path, is_int)`` each."""
+        return self._m.get().inputs()
+
+    def _manifest_json(self):
+        """The package's manifest, as its JSON bytes."""
+        return self._m.get().manifest_json()
+
+    @property
+    def module_name(self):
+        return self._m.get().model().module_name().decode()
+
+    @property
+    def num_outputs(self):
+        return self._m.get().model().num_outputs()
+
+    @property
+    def num_instructions(self):
+        return self._m.get().model().num_instructions()
+
+    @property
+    def mapped_weights(self):
+        return self._m.get().model().mapped_weights()
+
+
+# Set by fxrt.profiler while a profile is open; the runtime has no per-op timings of its own.
+cdef cbool _instrumenting = False
+
+
+def set_instrumenting(cbool on):
+    global _instrumenting
+    _instrumenting = on
+
+
+cdef extern from "<ATen/record_function.h>" namespace "at":
+    cbool hasCallbacks()
+
+
+cdef extern from "torch_function.h" namespace "fxrt":
+    int torch_function_state(object inputs) except -1
+
+
+def hooks_on(args):
+    """Whether a call on ``args`` must take the Python loop (see ``_hooks_on``)."""
+    return bool(_hooks_on(args))
+
+
+cdef inline int _hooks_on(args) except -1:
+    """Whether a call must take the Python path: a profiler, record_function callbacks, or a
+    ``__torch_function__`` (a mode, or a tensor subclass that overrides it)."""
+    if _instrumenting or hasCallbacks():
+        return True
+    cdef int tf = torch_function_state(args)
+    return tf == 1 or (tf == 2 and _has_torch_function(args))

@@ -1,0 +1,328 @@
+"""The deploy semantics, one suite through every face of the one loader.
+
+Faces: ``load`` (``fxrt.load``: the C++ runtime behind a Python face), ``runner`` (the same
+runtime through ``examples/cpp_runner``, no Python), and ``python`` (``fxrt.load`` with
+``pure_python``: the Python loader and loop, the reference). Each test runs one package through a
+face and asserts what a user sees: eager's answers on two different inputs; inputs outside the
+exported signature refused with the same words, naming the input; hostile packages refused with a
+message, never a crash. Last, 240 hostile packages get one verdict from the runtime whichever
+face asks (the runner's line equals ``fxrt.load``'s for every file).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import native_available
+from test_deploy import _ids, _mutate, _repack, _sections
+from test_deploy_cpp import _check, _export_client, _Ones, _Scale
+from torch.export import Dim
+
+import fxrt
+from fxrt.deploy.tensorfile import load_tensors, save_tensors
+from fxrt.models import workloads
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+FACES = ["load", "runner", "python"]
+
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    import cpp_runner
+
+    try:
+        cpp_runner.build()
+    except cpp_runner.Unavailable as e:
+        pytest.skip(str(e))
+    return cpp_runner.run
+
+
+class Face:
+    """One way to run a package: ``call(path, inputs)`` returns the output leaves or raises
+    fxrt.InputError / fxrt.PackageError with the face's message."""
+
+    def __init__(self, name: str, tmp: Path, runner: Any = None):
+        self.name, self.tmp, self.runner = name, tmp, runner
+
+    def call(self, path: Path, inputs: list[Any], kwargs: dict[str, Any] | None = None) -> list:
+        if self.name != "runner":
+            m = fxrt.load(path, options={"pure_python": self.name == "python"})
+            assert m.executor == ("python" if self.name == "python" else "cpp")
+            with torch.inference_mode():
+                out = m(*inputs, **(kwargs or {}))
+            if hasattr(out, "logits"):
+                return [out.logits]
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+        leaves = [*inputs, *(v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor))]
+        src, dst = self.tmp / "in.safetensors", self.tmp / "out.safetensors"
+        as_tensors = [x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in leaves]
+        save_tensors(src, {str(i): t for i, t in enumerate(as_tensors)})
+        proc = self.runner(str(path), "--inputs", str(src), "--output", str(dst))
+        message = proc.stderr.strip().removeprefix("fxrt_runner: ")
+        if proc.returncode == 3:
+            raise fxrt.InputError(message)
+        if proc.returncode == 2:
+            raise fxrt.PackageError(message)
+        assert proc.returncode == 0, proc.stderr
+        out = load_tensors(dst)
+        return [out[str(i)] for i in range(len(out))]
+
+
+@pytest.fixture(params=FACES)
+def face(request, tmp_path: Path) -> Face:
+    if request.param == "runner":
+        return Face("runner", tmp_path, request.getfixturevalue("runner"))
+    if request.param == "load" and not native_available():
+        pytest.skip("fxrt.load's runtime is the extension's")
+    return Face(request.param, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faces")
+
+
+@pytest.fixture(scope="module")
+def w_packages(store: Path) -> dict[str, tuple[Any, tuple, Path]]:
+    out = {}
+    for name, (model, args) in workloads().items():
+        path = store / f"{name.split()[0]}.fxrt"
+        fxrt.export(model, args).save(path)
+        out[name.split()[0]] = (model, args, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2(store: Path) -> tuple[Any, Path]:
+    return _export_client("gpt2", store)
+
+
+@pytest.fixture(scope="module")
+def int_packages(store: Path) -> dict[str, Path]:
+    d = Dim.DYNAMIC
+    out = {}
+    for name, model, args, dyn in [
+        ("scale", _Scale(), (torch.randn(3), 4), (None, Dim.DYNAMIC(min=1, max=10))),
+        ("ones", _Ones(), (torch.randn(3), 3), ({0: d}, d)),
+    ]:
+        out[name] = store / f"int-{name}.fxrt"
+        fxrt.export(model, args, dynamic_shapes=dyn).save(out[name])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Answers
+
+
+@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+def test_workloads_equal_eager(face: Face, name: str, w_packages) -> None:
+    model, (x,), path = w_packages[name]
+    for seed in (1, 2):  # two different inputs
+        torch.manual_seed(seed)
+        x = torch.randn_like(x)
+        with torch.inference_mode():
+            want = model(x)
+        (got,) = face.call(path, [x])
+        torch.testing.assert_close(got, want)
+
+
+def test_gpt2_kwargs_and_dynamic_sizes(face: Face, gpt2) -> None:
+    model, path = gpt2
+    for seq in (8, 5):
+        ids = _ids(2, seq)
+        mask = torch.ones_like(ids)
+        mask[0, : seq // 3] = 0
+        kwargs = {"attention_mask": mask, "use_cache": False}
+        with torch.inference_mode():
+            want = model(ids, **kwargs).logits
+        (got,) = face.call(path, [ids], kwargs)
+        torch.testing.assert_close(got, want)
+
+
+def test_int_inputs(face: Face, int_packages) -> None:
+    for name, size, n in [("scale", 3, 7), ("scale", 3, 1), ("ones", 4, 4), ("ones", 9, 9)]:
+        x = torch.randn(size)
+        model = {"scale": _Scale, "ones": _Ones}[name]()
+        (got,) = face.call(int_packages[name], [x, n])
+        torch.testing.assert_close(got, model(x, n))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs outside the signature: one set of checks, one wording
+
+
+def _refused_input(face: Face, path: Path, inputs: list[Any], match: str, **kw: Any) -> str:
+    with pytest.raises(fxrt.InputError, match=match) as e:
+        face.call(path, inputs, kw or None)
+    return str(e.value)
+
+
+def test_input_errors_name_the_input(face: Face, gpt2, w_packages) -> None:
+    _, path = gpt2
+    ids, mask = _ids(2, 8), torch.ones(2, 8, dtype=torch.long)
+    kw = {"use_cache": False}
+    _refused_input(
+        face, path, [_ids(2, 40)], r"input 'input_ids' \(args\[0\]\): dim 1: size 40 is outside "
+        r"the range of seq \(s\d+\), \[2, 32\] \(exported: int64\[2, s\d+\] with seq \(s\d+\) in "
+        r"\[2, 32\]; got int64\[2, 40\]\)", attention_mask=torch.ones(2, 40, dtype=torch.long), **kw
+    )  # fmt: skip
+    _refused_input(
+        face, path, [ids], r"input 'attention_mask' \(kwargs\['attention_mask'\]\): dim 1: size 9, "
+        r"but seq \(s\d+\) = 8 from input 'input_ids' \(args\[0\]\) dim 1",
+        attention_mask=torch.ones(2, 9, dtype=torch.long), **kw,
+    )  # fmt: skip
+    _refused_input(
+        face, path, [ids.float()], r"input 'input_ids' \(args\[0\]\): dtype float32, exported for "
+        r"int64 \(exported: int64\[2, s\d+\]", attention_mask=mask, **kw,
+    )  # fmt: skip
+    _, _, w2 = w_packages["W2"]
+    _refused_input(
+        face, w2, [torch.randn(3, 256)], r"input 'x' \(args\[0\]\): dim 0: size 3, exported for "
+        r"\d+ \(static\) \(exported: float32\[\d+, 256\]; got float32\[3, 256\]\)",
+    )  # fmt: skip
+    _refused_input(face, w2, [torch.randn(4, 256, 1)], r"input 'x' .*3 dims, exported for 2")
+
+
+def test_int_input_errors_name_the_input(face: Face, int_packages) -> None:
+    n_in = r"input 'n' \(args\[1\]\): "
+    for name, size, n, match in [
+        ("scale", 3, 11, n_in + r"11 is outside the range of s\d+, \[1, 10\]$"),
+        ("scale", 3, 0, n_in + r"0 is outside the range of s\d+, \[1, 10\]$"),
+        ("ones", 4, 3, n_in + r"3, but s\d+ = 4 from input 'x' \(args\[0\]\) dim 0$"),
+        ("scale", 3, 2.0, n_in + "expected an int, got a"),
+    ]:
+        _refused_input(face, int_packages[name], [torch.randn(size), n], match)
+
+
+def test_derived_sizes_are_checked(face: Face, tmp_path: Path) -> None:
+    class Shift(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y[1:]
+
+    n = Dim("n", min=2, max=20)
+    path = tmp_path / "shift.fxrt"
+    fxrt.export(
+        Shift(), (torch.randn(5, 4), torch.randn(6, 4)), dynamic_shapes=({0: n}, {0: n + 1})
+    ).save(path)
+    x, y = torch.randn(7, 4), torch.randn(8, 4)
+    (got,) = face.call(path, [x, y])
+    torch.testing.assert_close(got, Shift()(x, y))
+    _refused_input(
+        face, path, [x, torch.randn(9, 4)], r"input 'y' \(args\[1\]\): dim 0: size 9, expected "
+        r"s\d+ \+ 1 = 8",
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile packages
+
+
+def _forge(data: bytes, change: Any) -> bytes:
+    m = copy.deepcopy(_sections(data)[0])
+    change(m)
+    return _repack(data, manifest=m)
+
+
+def test_forged_packages_are_refused_naming_what(face: Face, w_packages, tmp_path: Path) -> None:
+    model, (x,), path = w_packages["W2"]
+    data = path.read_bytes()
+    _, header, _ = _sections(data)
+    name = "layers.0.weight"
+
+    def header_change(change: Any) -> bytes:
+        h = copy.deepcopy(header)
+        change(h)
+        return _repack(data, header=h)
+
+    cases = [
+        (_forge(data, lambda m: m["ops"].update({"aten::addmm": "x"})), "changed its schema"),
+        (_forge(data, lambda m: m["ops"].update({"os::system": "x"})), "os::system"),
+        (_forge(data, lambda m: m["ops"].update({"aten::add; import os": "x"})), "not an op name"),
+        (_forge(data, lambda m: m.update(device="cuda:banana")), "device"),
+        (_forge(data, lambda m: m.update(extra=1)), "manifest fields"),
+        (_forge(data, lambda m: m.update(format="fxrt-package/9")), "format"),
+        (_forge(data, lambda m: m["signature"]["inputs"].pop()), "signature inputs"),
+        (_forge(data, lambda m: m["signature"]["ranges"].update(s0=[5, 1])), "empty|range"),
+        (_forge(data, lambda m: m["weights"][name].update(offset=10**6)), "past its entry"),
+        (
+            _forge(data, lambda m: m["weights"]["layers.0.bias"].update(shape=[255])),
+            "does not match",
+        ),
+        (
+            _forge(data, lambda m: m["runtime_options"].update(dump_dir="/tmp/x")),
+            "runtime options",
+        ),
+        (header_change(lambda h: h[name].update(dtype="I32")), "float32 but its entry is I32"),
+        (header_change(lambda h: h[name].update(dtype="F128")), "unknown dtype"),
+        (
+            header_change(
+                lambda h: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]})
+            ),
+            "used by nothing",
+        ),
+        (_repack(data, raw_manifest=b'{"x": NaN}'), "NaN"),
+        (data[:1000], "truncated|shorter|says"),
+        (b"not a package at all " * 20, "magic"),
+    ]
+    for i, (blob, match) in enumerate(cases):
+        forged = tmp_path / f"forged-{i}.fxrt"
+        forged.write_bytes(blob)
+        with pytest.raises(fxrt.PackageError, match=match):
+            face.call(forged, [x])
+
+
+def _hostile(data: bytes, seed: int, n: int) -> list[bytes]:
+    """``n`` rehashed mutations of the package: the manifest, its program, the weights header."""
+    manifest, header, _ = _sections(data)
+    rng = random.Random(seed)
+    junk = [None, -1, 0, 2**62, 1.5, "", "x" * 5000, [], {}, [[[]]], {"ref": 3}, True, "aten::mm"]
+    blobs = []
+    for i in range(n):
+        if i % 4:
+            target = copy.deepcopy(manifest)
+            _mutate(target["program"] if i % 2 else target, rng, junk)
+            blobs.append(_repack(data, manifest=target))
+        else:
+            target = copy.deepcopy(header)
+            _mutate(target, rng, junk)
+            blobs.append(_repack(data, header=target))
+    return blobs
+
+
+@pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
+def test_hostile_packages_get_one_verdict(runner: Any, w_packages, tmp_path: Path) -> None:
+    """240 hostile packages: ``fxrt.load`` refuses exactly the ones the C++ runner refuses, with
+    its message; those it loads it runs as the runner does. Two exceptions: what the runtime
+    cannot run though it is valid (no stored program, a node that runs Python) fxrt.load hands to
+    the Python loader, which decides with the package's graph; and the tree specs of the call's
+    structure (pytree's node types), which only the Python face reads, it alone refuses."""
+    _, (x,), path = w_packages["W3"]
+    blobs = _hostile(path.read_bytes(), 2, 240)
+    cpp = _check(runner, blobs, tmp_path)
+    tally = {"same": 0, "python loader": 0, "tree specs": 0}
+    for blob, (verdict, message) in zip(blobs, cpp):
+        try:
+            m = fxrt.load(blob)
+        except fxrt.PackageError as e:
+            if verdict != "refused" and re.search("(input|output) spec|tree specs", str(e)):
+                tally["tree specs"] += 1  # the call's structure: only the Python face reads it
+                continue
+            assert verdict == "refused" and message == str(e), (verdict, message, str(e))
+            tally["same"] += 1
+            continue
+        if isinstance(m, fxrt.deploy.loaded.PythonLoadedModel):
+            assert verdict == "refused" and re.search("no program|runs Python|streams", message)
+            tally["python loader"] += 1
+            continue
+        assert verdict in ("loaded", "failed"), (verdict, message)
+        tally["same"] += 1
+    assert tally["same"] >= 200, tally
+    refused = sum(v == "refused" for v, _ in cpp)
+    print(f"240 hostile packages: the runtime refuses {refused}; fxrt.load agrees on {tally}")
