@@ -12,6 +12,7 @@ face asks (the runner's line equals ``fxrt.load``'s for every file).
 from __future__ import annotations
 
 import copy
+import json
 import random
 import re
 from pathlib import Path
@@ -326,3 +327,20 @@ def test_hostile_packages_get_one_verdict(runner: Any, w_packages, tmp_path: Pat
     assert tally["same"] >= 200, tally
     refused = sum(v == "refused" for v, _ in cpp)
     print(f"240 hostile packages: the runtime refuses {refused}; fxrt.load agrees on {tally}")
+
+
+def test_a_manifest_with_escaped_keys_loads(face: Face, w_packages, tmp_path: Path) -> None:
+    """JSON may write a key with escapes ("sign\\u0061ture"): the runtime reads it as the key it
+    is, and the face, which reads a few fields by their text, parses the whole manifest."""
+    model, (x,), path = w_packages["W2"]
+    data = path.read_bytes()
+    raw = json.dumps(_sections(data)[0]).encode()
+    for key in (b"signature", b"runtime_options"):
+        assert raw.count(b'"%s":' % key) == 1
+        escape = b"\\u%04x" % key[4]  # the fifth letter as a JSON escape
+        raw = raw.replace(b'"%s":' % key, b'"%s%s%s":' % (key[:4], escape, key[5:]), 1)
+    escaped = tmp_path / "escaped.fxrt"
+    escaped.write_bytes(_repack(data, raw_manifest=raw))
+    (got,) = face.call(escaped, [x])
+    with torch.inference_mode():
+        torch.testing.assert_close(got, model(x))

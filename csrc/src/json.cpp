@@ -360,4 +360,36 @@ std::string clip(std::string_view s, size_t max) {
   return std::string(s.substr(0, max)) + "...";
 }
 
+// The text of the top-level member `key` of the JSON object `text` (which parse() accepted), or
+// an empty view: a scan of the top level that skips nested values and strings.
+std::string_view member_text(std::string_view text, std::string_view key) {
+  size_t i = text.find('{');
+  int depth = 0;
+  size_t value_start = std::string_view::npos;
+  bool want = false;
+  for (; i < text.size(); ++i) {
+    char c = text[i];
+    if (c == '"') {
+      size_t start = ++i;
+      while (i < text.size() && text[i] != '"') {
+        i += text[i] == '\\' ? 2 : 1;
+      }
+      if (depth == 1 && value_start == std::string_view::npos) {
+        want = text.substr(start, i - start) == key;  // a key (escaped keys do not match)
+      }
+    } else if (c == ':' && depth == 1) {
+      value_start = i + 1;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == ',' && depth == 1) || ((c == '}' || c == ']') && --depth == 0)) {
+      if (want && value_start != std::string_view::npos) {
+        return text.substr(value_start, i - value_start);
+      }
+      value_start = std::string_view::npos;
+      want = false;
+    }
+  }
+  return {};
+}
+
 }  // namespace fxrt::json

@@ -37,6 +37,10 @@ struct Value {
 // `what` and the byte offset.
 Value parse(std::string_view text, const std::string& what);
 
+// The text of the top-level member `key` of a JSON object parse() accepted (empty: none, or a key
+// written with escapes).
+std::string_view member_text(std::string_view text, std::string_view key);
+
 // Short text for messages: the first `max` characters of a string.
 std::string clip(std::string_view s, size_t max = 60);
 

@@ -41,6 +41,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <cctype>
 #include <cstring>
 #include <optional>
@@ -207,6 +210,17 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
   m.load_program(raw, manifest, *manifest.find("program"));
   m.load_signature(object(manifest, "signature", "manifest"));
   m.check_weights(raw, manifest);
+  // The prelude, manifest and weights header are parsed: their pages leave the process (the
+  // weights are the pages after them), and the memory the parse took goes back to the system.
+  // The small fields a host reads after the load are kept as text.
+  for (const char* key : {"signature", "runtime_options", "module", "device", "producer"}) {
+    m.small_fields.emplace(key, json::member_text(m.manifest_text, key));
+  }
+  raw.file->release_before(static_cast<size_t>(raw.data_start));
+  raw.manifest = Value();
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
 }
 
 Model::~Model() = default;
@@ -340,6 +354,12 @@ c10::Device Model::device() const {
 
 std::string_view Model::manifest_json() const {
   return impl_->manifest_text;
+}
+
+std::string_view Model::manifest_field(std::string_view key) const {
+  auto it = impl_->small_fields.find(key);
+  return it != impl_->small_fields.end() ? std::string_view(it->second)
+                                         : json::member_text(impl_->manifest_text, key);
 }
 
 }  // namespace fxrt

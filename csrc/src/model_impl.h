@@ -48,7 +48,8 @@ struct WeightSet {
 
 struct Model::Impl {
   std::shared_ptr<MappedFile> file;
-  std::string_view manifest_text;  // in `file`
+  std::string_view manifest_text;  // in `file` (its pages given back after the load)
+  std::map<std::string, std::string, std::less<>> small_fields;  // their text, kept
   std::string module;
   c10::Device device{c10::kCPU};
   bool cross_type = false;  // running on another device type than the export's: no arena

@@ -163,6 +163,13 @@ MappedFile::MappedFile(const uint8_t* bytes, size_t size) : size_(size), mapped_
   std::memcpy(data_, bytes, size_);
 }
 
+void MappedFile::release_before(size_t offset) const {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  if (mapped_ && offset / page > 0) {
+    ::madvise(data_, offset / page * page, MADV_DONTNEED);
+  }
+}
+
 MappedFile::~MappedFile() {
   if (data_ != nullptr && mapped_) {
     ::munmap(data_, size_);

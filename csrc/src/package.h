@@ -25,6 +25,8 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  // Gives the pages before `offset` back (a mapped file's clean pages: read again if touched).
+  void release_before(size_t offset) const;
 
  private:
   uint8_t* data_ = nullptr;

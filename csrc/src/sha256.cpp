@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
 namespace fxrt {
 
 namespace {
@@ -22,6 +27,59 @@ constexpr uint32_t kK[64] = {
 inline uint32_t rotr(uint32_t x, int n) {
   return (x >> n) | (x << (32 - n));
 }
+
+#if defined(__x86_64__)
+// The x86 SHA extensions (SHA-NI: Intel since Goldmont and Ice Lake, AMD since Zen), four
+// rounds per pair of sha256rnds2: about 5x the portable code on a package's weights. State in
+// the order the instructions take it (ABEF, CDGH); message words four at a time, W[i % 4].
+__attribute__((target("sha,sse4.1,ssse3"))) void blocks_sha_ni(
+    uint32_t h[8],
+    const uint8_t* p,
+    size_t n_blocks) {
+  const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+  __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)), 0xB1);
+  __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 4)), 0x1B);
+  __m128i s0 = _mm_alignr_epi8(tmp, s1, 8);  // ABEF
+  s1 = _mm_blend_epi16(s1, tmp, 0xF0);  // CDGH
+  for (; n_blocks > 0; --n_blocks, p += 64) {
+    const __m128i abef = s0, cdgh = s1;
+    __m128i w[4];
+    for (int i = 0; i < 16; ++i) {
+      if (i < 4) {
+        w[i] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)), swap);
+      }
+      __m128i msg = _mm_add_epi32(w[i % 4], _mm_loadu_si128(reinterpret_cast<const __m128i*>(kK + 4 * i)));
+      s1 = _mm_sha256rnds2_epu32(s1, s0, msg);
+      if (i >= 3 && i <= 14) {  // the next group of words, from the last four
+        __m128i& next = w[(i + 1) % 4];
+        next = _mm_add_epi32(next, _mm_alignr_epi8(w[i % 4], w[(i + 3) % 4], 4));
+        next = _mm_sha256msg2_epu32(next, w[i % 4]);
+      }
+      s0 = _mm_sha256rnds2_epu32(s0, s1, _mm_shuffle_epi32(msg, 0x0E));
+      if (i >= 1 && i <= 12) {
+        w[(i + 3) % 4] = _mm_sha256msg1_epu32(w[(i + 3) % 4], w[i % 4]);
+      }
+    }
+    s0 = _mm_add_epi32(s0, abef);
+    s1 = _mm_add_epi32(s1, cdgh);
+  }
+  tmp = _mm_shuffle_epi32(s0, 0x1B);  // FEBA
+  s1 = _mm_shuffle_epi32(s1, 0xB1);  // DCHG
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm_blend_epi16(tmp, s1, 0xF0));  // DCBA
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 4), _mm_alignr_epi8(s1, tmp, 8));  // HGFE
+}
+
+bool has_sha_ni() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || (b & (1u << 29)) == 0) {
+    return false;
+  }
+  __get_cpuid(1, &a, &b, &c, &d);
+  return (c & (1u << 19)) != 0 && (c & (1u << 9)) != 0;  // SSE4.1, SSSE3
+}
+
+const bool kShaNi = has_sha_ni();
+#endif
 
 }  // namespace
 
@@ -79,6 +137,13 @@ void Sha256::update(const void* data, size_t n) {
     block(buf_);
     used_ = 0;
   }
+#if defined(__x86_64__)
+  if (kShaNi && n >= 64) {
+    blocks_sha_ni(h_, p, n / 64);
+    p += n / 64 * 64;
+    n %= 64;
+  }
+#endif
   for (; n >= 64; n -= 64, p += 64) {
     block(p);
   }

@@ -30,6 +30,7 @@ cdef extern from "runtime_face.h" namespace "fxrt":
         void update_weights(object weights, cbool strict) except +raise_runtime_error
         object inputs() except +raise_runtime_error
         object manifest_json() except +raise_runtime_error
+        object manifest_field(const string& key) except +raise_runtime_error
         const CRuntimeModel& model()
 
 
@@ -86,6 +87,11 @@ cdef class Model:
     def _manifest_json(self):
         """The package's manifest, as its JSON bytes."""
         return self._m.get().manifest_json()
+
+    def _manifest_field(self, str key):
+        """One top-level field of the manifest as JSON bytes (empty: none, or written with
+        escapes)."""
+        return self._m.get().manifest_field(key.encode())
 
     @property
     def module_name(self):

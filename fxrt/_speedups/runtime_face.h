@@ -251,6 +251,11 @@ class FaceModel {
     return PyBytes_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
   }
 
+  PyObject* manifest_field(const std::string& key) const {
+    std::string_view text = model_->manifest_field(key);
+    return PyBytes_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+  }
+
   const Model& model() const { return *model_; }
 
  private:

@@ -81,10 +81,14 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         self._device = device
         self._lock = threading.Lock()
         self._python_model: Any = None
-        self._manifest_bytes = self._manifest_json()
         self._manifest: dict[str, Any] | None = None
-        m = loads_json(self._manifest_bytes, "manifest")
-        self._module = m.get("module")
+        # The fields the face reads, each parsed from its own text (the runtime keeps the file);
+        # the whole manifest (most of it the graph) only where a key is written with escapes.
+        texts = {k: self._manifest_field(k) for k in ("signature", "runtime_options")}
+        if all(texts.values()):
+            m = {k: loads_json(t, k) for k, t in texts.items()}
+        else:
+            m = loads_json(self._manifest_json(), "manifest")
         self.runtime_options = dict(m["runtime_options"])  # the defaults fxrt.load applies
         sig = Signature.from_json(m["signature"])
         in_spec = spec_from_json(sig.in_spec, "input")
@@ -187,7 +191,7 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         if self._manifest is None:
             with self._lock:
                 if self._manifest is None:
-                    self._manifest = loads_json(self._manifest_bytes, "manifest")
+                    self._manifest = loads_json(self._manifest_json(), "manifest")
         return self._manifest
 
     @property
@@ -197,7 +201,7 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
     def __repr__(self) -> str:
         users = ", ".join(s.name for s in self.signature.user_inputs())
         return (
-            f"LoadedModel({self._module}({users}) from {self.path}, "
+            f"LoadedModel({self.module_name}({users}) from {self.path}, "
             f"{self.num_instructions} instructions, executor='cpp')"
         )
 

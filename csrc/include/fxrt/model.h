@@ -127,6 +127,8 @@ class Model {
   size_t num_instructions() const;
   c10::Device device() const;  // where the weights are and the program runs
   std::string_view manifest_json() const;  // the package's manifest (a view of the loaded file)
+  // One top-level field of the manifest as JSON text ("signature"), empty if there is none.
+  std::string_view manifest_field(std::string_view key) const;
   // How many of the current weights are views of the memory-mapped file (all of them after a
   // load onto the CPU; fewer after update_weights or on another device).
   size_t mapped_weights() const;
