@@ -22,27 +22,16 @@ import pytest
 import torch
 from conftest import native_available
 from test_deploy import _ids, _mutate, _repack, _sections
-from test_deploy_cpp import _check, _export_client, _Ones, _Scale
+from test_deploy_cpp import _check, _Ones, _Scale, gpt2, int_packages, runner, store, w_packages
 from torch.export import Dim
 
 import fxrt
 from fxrt.deploy.tensorfile import load_tensors, save_tensors
-from fxrt.models import workloads
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+__all__ = ["gpt2", "int_packages", "runner", "store", "w_packages"]  # the shared fixtures
 
 FACES = ["load", "runner", "python"]
-
-
-@pytest.fixture(scope="module")
-def runner() -> Any:
-    import cpp_runner
-
-    try:
-        cpp_runner.build()
-    except cpp_runner.Unavailable as e:
-        pytest.skip(str(e))
-    return cpp_runner.run
 
 
 class Face:
@@ -85,39 +74,6 @@ def face(request, tmp_path: Path) -> Face:
     return Face(request.param, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faces")
-
-
-@pytest.fixture(scope="module")
-def w_packages(store: Path) -> dict[str, tuple[Any, tuple, Path]]:
-    out = {}
-    for name, (model, args) in workloads().items():
-        path = store / f"{name.split()[0]}.fxrt"
-        fxrt.export(model, args).save(path)
-        out[name.split()[0]] = (model, args, path)
-    return out
-
-
-@pytest.fixture(scope="module")
-def gpt2(store: Path) -> tuple[Any, Path]:
-    return _export_client("gpt2", store)
-
-
-@pytest.fixture(scope="module")
-def int_packages(store: Path) -> dict[str, Path]:
-    d = Dim.DYNAMIC
-    out = {}
-    for name, model, args, dyn in [
-        ("scale", _Scale(), (torch.randn(3), 4), (None, Dim.DYNAMIC(min=1, max=10))),
-        ("ones", _Ones(), (torch.randn(3), 3), ({0: d}, d)),
-    ]:
-        out[name] = store / f"int-{name}.fxrt"
-        fxrt.export(model, args, dynamic_shapes=dyn).save(out[name])
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # Answers
 
@@ -151,7 +107,7 @@ def test_int_inputs(face: Face, int_packages) -> None:
     for name, size, n in [("scale", 3, 7), ("scale", 3, 1), ("ones", 4, 4), ("ones", 9, 9)]:
         x = torch.randn(size)
         model = {"scale": _Scale, "ones": _Ones}[name]()
-        (got,) = face.call(int_packages[name], [x, n])
+        (got,) = face.call(int_packages[name][1], [x, n])
         torch.testing.assert_close(got, model(x, n))
 
 
@@ -199,7 +155,7 @@ def test_int_input_errors_name_the_input(face: Face, int_packages) -> None:
         ("ones", 4, 3, n_in + r"3, but s\d+ = 4 from input 'x' \(args\[0\]\) dim 0$"),
         ("scale", 3, 2.0, n_in + "expected an int, got a"),
     ]:
-        _refused_input(face, int_packages[name], [torch.randn(size), n], match)
+        _refused_input(face, int_packages[name][1], [torch.randn(size), n], match)
 
 
 def test_derived_sizes_are_checked(face: Face, tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ __attribute__((target("sha,sse4.1,ssse3"))) void blocks_sha_ni(
   for (; n_blocks > 0; --n_blocks, p += 64) {
     const __m128i abef = s0, cdgh = s1;
     __m128i w[4];
+#pragma GCC unroll 16  // every index below a constant: the words stay in registers
     for (int i = 0; i < 16; ++i) {
       if (i < 4) {
         w[i] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)), swap);

@@ -434,22 +434,8 @@ class PythonLoadedModel(_Entry):
     def update_weights(
         self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
     ) -> None:
-        """Replace weights by name without recompiling. Calls already running finish on the old
-        weights; calls that start afterwards see the new ones.
-
-        Each tensor must have the weight's shape and dtype; one on another device or with other
-        strides is copied to the package's. The new tensors are used as they are (not copied
-        otherwise), so later in-place changes to them are seen, as with a module's parameters.
-
-        Args:
-            state_dict: name -> tensor, as ``model.state_dict()`` gives.
-            strict: as ``nn.Module.load_state_dict``: every parameter and persistent buffer must
-                be given, and no unknown name.
-
-        Raises:
-            ValueError: a shape or dtype that does not match (the message names the tensor), an
-                unknown or missing name under ``strict``, or two different tensors for tied names.
-        """
+        """As :meth:`fxrt.deploy.LoadedModel.update_weights` (the same semantics and errors,
+        fxrt.deploy.weights in Python)."""
         with self._lock:
             updated = updated_weights(self._state[1], state_dict, self._ties, self._kinds, strict)
             self._state = self._publish(updated)
