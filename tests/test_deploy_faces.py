@@ -300,3 +300,62 @@ def test_a_manifest_with_escaped_keys_loads(face: Face, w_packages, tmp_path: Pa
     (got,) = face.call(escaped, [x])
     with torch.inference_mode():
         torch.testing.assert_close(got, model(x))
+
+
+@pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
+def test_arena_options_run_on_the_runtime(w_packages, monkeypatch) -> None:
+    """``arena=False`` and ``arena_max_idle`` (options, or FXRT_ARENA / FXRT_ARENA_MAX_IDLE) the
+    runtime honours itself; ``check_inputs`` and the Python loop take the Python loader."""
+    model, (x,), path = w_packages["W2"]
+    with torch.inference_mode():
+        want = model(x)
+    runtime = fxrt.deploy.LoadedModel  # the runtime's face (PythonLoadedModel is registered)
+    for options, env, idle in [
+        ({}, {}, 1),
+        ({"arena": False}, {}, 0),
+        ({"arena_max_idle": 0}, {}, 0),
+        ({}, {"FXRT_ARENA": "0"}, 0),
+        ({}, {"FXRT_ARENA_MAX_IDLE": "0"}, 0),
+    ]:
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            m = fxrt.load(path, options=options)
+        assert type(m) is runtime, (options, env)
+        with torch.inference_mode():
+            torch.testing.assert_close(m(x), want)
+            y = torch.randn_like(x)  # a second call, another input
+            torch.testing.assert_close(m(y), model(y))
+        assert m.idle_arenas == idle, (options, env, m.idle_arenas)
+    for options in ({"check_inputs": False}, {"pure_python": True}):
+        m = fxrt.load(path, options=options)
+        assert isinstance(m, fxrt.deploy.loaded.PythonLoadedModel), options
+        with torch.inference_mode():
+            torch.testing.assert_close(m(x), want)
+
+
+class _Lookup(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) * 2
+
+
+@pytest.mark.parametrize("face_name", ["load", "python"])
+def test_a_failing_op_raises_eagers_exception_naming_the_node(face_name: str, tmp_path) -> None:
+    """An op that fails at run time (an index out of range) raises what eager raises (an
+    IndexError, and fxrt.ExecutionError), naming the node; the model still works afterwards."""
+    if face_name == "load" and not native_available():
+        pytest.skip("fxrt.load's runtime is the extension's")
+    model = _Lookup().eval()
+    path = tmp_path / "lookup.fxrt"
+    fxrt.export(model, (torch.tensor([[1, 2]]),)).save(path)
+    m = fxrt.load(path, options={"pure_python": face_name == "python"})
+    with pytest.raises(IndexError, match="index out of range") as e, torch.inference_mode():
+        m(torch.tensor([[1, 12]]))
+    assert isinstance(e.value, fxrt.ExecutionError) and "embedding" in str(e.value)
+    ids = torch.tensor([[3, 4]])
+    with torch.inference_mode():
+        torch.testing.assert_close(m(ids), model(ids))

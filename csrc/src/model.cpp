@@ -198,13 +198,18 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
   // pure_python and arena_max_idle concern hosts with a Python loop): checked, not used.
   for (const auto& [key, v] : object(manifest, "runtime_options", "manifest").o) {
     if (key == "arena_max_idle") {
-      integer(v, "runtime_options: arena_max_idle", 0, int64_t{1} << 20);
+      m.arena_max_idle = integer(v, "runtime_options: arena_max_idle", 0, int64_t{1} << 20);
     } else if (key != "pure_python" && key != "arena" && key != "check_inputs") {
       fail("unknown runtime options [" + clip(key, 40) + "]");
     } else if (v.type != Value::BOOL) {
       fail("runtime_options: " + key + " must be a bool");
     }
   }
+  m.arena_max_idle = options.arena_max_idle.value_or(m.arena_max_idle);
+  if (m.arena_max_idle < 0) {
+    throw std::invalid_argument("fxrt: LoadOptions::arena_max_idle must be 0 or more");
+  }
+  m.use_arena = options.arena && !m.cross_type;
   m.check_ops(object(manifest, "ops", "manifest"), object(manifest, "producer", "manifest"));
   m.load_weights(raw, object(manifest, "weights", "manifest"));
   m.load_program(raw, manifest, *manifest.find("program"));
@@ -350,6 +355,10 @@ size_t Model::num_instructions() const {
 
 c10::Device Model::device() const {
   return impl_->device;
+}
+
+size_t Model::idle_arenas() const {
+  return impl_->exec->idle_arenas();
 }
 
 std::string_view Model::manifest_json() const {

@@ -53,6 +53,8 @@ struct Model::Impl {
   std::string module;
   c10::Device device{c10::kCPU};
   bool cross_type = false;  // running on another device type than the export's: no arena
+  bool use_arena = true;  // the program's arena, if it has one (not across device types)
+  int64_t arena_max_idle = 2;
   std::unique_ptr<Executor> exec;
   std::vector<int64_t> input_regs;
 

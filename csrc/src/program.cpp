@@ -259,7 +259,7 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
   exec->set_guards(
       std::move(specs), std::move(arena_inputs),
       boolean(member(guards, "constants_need_grad", "program: guards"), "constants_need_grad"));
-  if (!arena.is_null() && !cross_type) {  // the plan and out= forms are the export device's
+  if (!arena.is_null() && use_arena) {  // the plan and out= forms are the export device's
     exec->set_arena_factory(
         [slots, arena_bytes, arena_device]() {
           c10::Storage buffer =
@@ -280,7 +280,7 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
           }
           return made;
         },
-        2, arena_device.type());
+        arena_max_idle, arena_device.type());
   }
 
   // The output: a tuple of registers (and constants), one per signature output.

@@ -8,6 +8,7 @@ leaves only, no profiler or ``__torch_function__`` to honour) goes from ``Model.
 runtime with no Python frame; any other goes to the subclass's ``_call(args, kwargs)``.
 """
 
+from libc.stdint cimport int64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
@@ -22,9 +23,12 @@ cdef extern from "runtime_face.h" namespace "fxrt":
         const string& module_name()
         size_t num_instructions()
         size_t mapped_weights()
+        size_t idle_arenas()
 
     cdef cppclass CFaceModel "fxrt::FaceModel":
-        CFaceModel(object source, const string& device, cbool verify) except +raise_runtime_error
+        CFaceModel(
+            object source, const string& device, cbool verify, cbool arena, int64_t max_idle
+        ) except +raise_runtime_error
         object run(object args) except +raise_runtime_error
         object state_dict() except +raise_runtime_error
         void update_weights(object weights, cbool strict) except +raise_runtime_error
@@ -45,14 +49,17 @@ def set_errors(package, unsupported, input, run):
 
 
 cdef class Model:
-    """One package loaded by the C++ runtime: ``Model(path_or_bytes, device, verify_weights)``."""
+    """One package loaded by the C++ runtime: ``Model(path_or_bytes, device, verify_weights,
+    arena=True, arena_max_idle=-1)`` (-1: the package's, else 2)."""
 
     cdef unique_ptr[CFaceModel] _m
     cdef Py_ssize_t _direct_args
     cdef cbool _direct_plain
 
-    def __init__(self, source, device, cbool verify_weights):
-        self._m.reset(new CFaceModel(source, (device or "").encode(), verify_weights))
+    def __init__(self, source, device, cbool verify_weights, cbool arena=True, int64_t arena_max_idle=-1):
+        self._m.reset(
+            new CFaceModel(source, (device or "").encode(), verify_weights, arena, arena_max_idle)
+        )
         self._direct_args = -1
 
     def _set_direct(self, Py_ssize_t n_args):
@@ -104,6 +111,11 @@ cdef class Model:
     @property
     def num_instructions(self):
         return self._m.get().model().num_instructions()
+
+    @property
+    def idle_arenas(self):
+        """How many arenas are kept idle between calls now."""
+        return self._m.get().model().idle_arenas()
 
     @property
     def mapped_weights(self):

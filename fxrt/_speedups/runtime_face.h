@@ -122,9 +122,19 @@ inline PyObject* from_ivalue(const c10::IValue& v) {
 class FaceModel {
  public:
   // `source`: a str path, or an object with the buffer protocol (the package's bytes).
-  FaceModel(PyObject* source, const std::string& device, bool verify_weights) {
+  // `arena_max_idle` -1: the package's.
+  FaceModel(
+      PyObject* source,
+      const std::string& device,
+      bool verify_weights,
+      bool arena,
+      int64_t arena_max_idle) {
     LoadOptions options;
     options.verify_weights = verify_weights;
+    options.arena = arena;
+    if (arena_max_idle >= 0) {
+      options.arena_max_idle = arena_max_idle;
+    }
     if (!device.empty()) {
       options.device = c10::Device(device);
     }

@@ -3,9 +3,10 @@
 The C++ runtime (:mod:`.runtime_model`, the library the C++ API ships) loads and runs the package:
 one loader, one set of input checks, one idea of a valid package for Python and C++. The Python
 loader (:mod:`.python_loader`) runs it where the runtime does not: with the Python loop
-(``pure_python``), with an ``arena``, ``check_inputs`` or ``arena_max_idle`` option that lowers
-the program again, without the extension, and for packages the runtime cannot run (no stored
-program, several streams, a node that runs Python).
+(``pure_python``), with a ``check_inputs`` option or an arena the stored program lacks (the
+program lowered again), without the extension, and for packages the runtime cannot run (no
+stored program, several streams, a node that runs Python). ``arena=False`` and
+``arena_max_idle`` the runtime honours itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 
 import torch
 
-from ..config import CompilerConfig
 from ..exec.inputs import InputError
 from .python_loader import RUNTIME_OPTIONS, PythonLoadedModel, load_python
 from .runtime_model import LoadedModel, load_runtime
@@ -57,16 +57,12 @@ def load(
     options = dict(options or {})
     # The C++ runtime loads and runs the package, unless the Python loop is asked for or an
     # option would lower the program again (the runtime runs the stored one).
-    if set(options) <= {"pure_python"}:
-        binary = isinstance(path, (bytes, bytearray, memoryview))
-        source = path if binary else os.fspath(path)
-        model = load_runtime(source, "<bytes>" if binary else source, device, verify_weights)
-        if model is not None:
-            stored = model.runtime_options
-            config = CompilerConfig.from_options(None, {**stored, **options, "cache": False})
-            if not config.pure_python:
-                return model
-            del model
+    binary = isinstance(path, (bytes, bytearray, memoryview))
+    source = path if binary else os.fspath(path)
+    where = "<bytes>" if binary else source
+    model = load_runtime(source, where, device, verify_weights, options)
+    if model is not None:
+        return model
     return load_python(path, device, options=options, verify_weights=verify_weights)
 
 

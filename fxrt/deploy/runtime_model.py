@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..config import CompilerConfig
 from ..errors import ExecutionError, _with_original_type
 from ..exec.inputs import InputError
 from ..exec.native import extension_status
@@ -74,10 +75,27 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         compiled, program, graph: its compiled graph, Program and fxrt IR (decoded on first use).
     """
 
-    def __init__(self, source: Any, where: str, device: Any, verify_weights: bool, keep: Any):
-        super().__init__(source, None if device is None else str(device), verify_weights)
+    def __init__(
+        self,
+        source: Any,
+        where: str,
+        device: Any,
+        verify_weights: bool,
+        keep: Any,
+        options: dict[str, Any] | None = None,
+    ):
+        options = dict(options or {})
+        dev = None if device is None else str(device)
+        super().__init__(
+            source,
+            dev,
+            verify_weights,
+            options.get("arena", True),
+            options.get("arena_max_idle", -1),
+        )
         self.path = where
         self._keep = keep  # the package, for the Python loader when it is needed
+        self._options = options
         self._device = device
         self._lock = threading.Lock()
         self._python_model: Any = None
@@ -132,7 +150,9 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         if self._python_model is None:
             with self._lock:
                 if self._python_model is None:
-                    py = load_python(self._keep, self._device, verify_weights=False)
+                    py = load_python(
+                        self._keep, self._device, options=self._options, verify_weights=False
+                    )
                     py.update_weights(self.state_dict(), strict=False)
                     self._python_model = py
         return self._python_model
@@ -206,16 +226,33 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         )
 
 
-def load_runtime(source: Any, where: str, device: Any, verify_weights: bool) -> LoadedModel | None:
-    """The package on the C++ runtime, or None where there is none (no extension) or it cannot
-    run this package (:class:`Unsupported`: the Python loader runs it)."""
-    if _runtime is None:
+def load_runtime(
+    source: Any, where: str, device: Any, verify_weights: bool, options: dict[str, Any]
+) -> LoadedModel | None:
+    """The package on the C++ runtime with fxrt.load's ``options`` (over the package's and the
+    environment's defaults), or None where there is none (no extension), the options ask for what
+    only the Python loader does (``pure_python``; ``check_inputs`` or an ``arena`` other than the
+    stored program's: the program lowered again), or the runtime cannot run the package
+    (:class:`Unsupported`)."""
+    if _runtime is None or options.get("pure_python") or "check_inputs" in options:
         return None
     keep = source if isinstance(source, (str, bytes)) else bytes(source)
     try:
-        return LoadedModel(keep, where, device, verify_weights, keep)
+        model = LoadedModel(keep, where, device, verify_weights, keep)
     except Unsupported:
         return None
+    stored = model.runtime_options
+    config = CompilerConfig.from_options(None, {**stored, **options, "cache": False})
+    stored_arena = CompilerConfig.from_options(None, {**stored, "cache": False}).arena
+    if config.pure_python or config.check_inputs is not stored.get("check_inputs", True):
+        return None
+    if config.arena and not stored_arena:
+        return None  # the stored program has no arena: lowering again makes one
+    chosen = {"arena": config.arena, "arena_max_idle": config.arena_max_idle}
+    if chosen != {"arena": True, "arena_max_idle": stored.get("arena_max_idle", 2)}:
+        del model  # the runtime made its arena pool at load: load again with these
+        model = LoadedModel(keep, where, device, verify_weights, keep, chosen)
+    return model
 
 
 __all__ = ["LoadedModel", "Unsupported", "load_runtime"]

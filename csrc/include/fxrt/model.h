@@ -78,6 +78,11 @@ struct LoadOptions {
   // A device of another type than the export's runs the program without its arena (its slots
   // and out= choices were planned for the export device). Not available: std::invalid_argument.
   std::optional<c10::Device> device;
+  // false: run without the arena (each result allocated, as on another device type), as
+  // fxrt.load's options={"arena": False}.
+  bool arena = true;
+  // How many idle arenas to keep between calls (default: the package's runtime option, else 2).
+  std::optional<int64_t> arena_max_idle;
 };
 
 // An input a host could not convert to a tensor or a number (a Python list where a tensor is
@@ -132,6 +137,9 @@ class Model {
   // How many of the current weights are views of the memory-mapped file (all of them after a
   // load onto the CPU; fewer after update_weights or on another device).
   size_t mapped_weights() const;
+  // How many arenas the model keeps idle between calls now (at most LoadOptions::arena_max_idle;
+  // none without an arena).
+  size_t idle_arenas() const;
 
  private:
   struct Impl;
