@@ -283,15 +283,13 @@ def test_forged_elementwise_forms(runner: Any, w_packages, tmp_path: Path) -> No
             fxrt.load(blob)
 
 
-def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> None:
-    """Random mutations of the manifest (program included) and weights header, re-hashed: the
-    C++ runtime refuses them or runs them to a clean error, never crashes."""
-    data = w_packages["W3"][2].read_bytes()
+def _hostile(data: bytes, seed: int, n: int) -> list[bytes]:
+    """``n`` rehashed mutations of the package: the manifest, its program, the weights header."""
     manifest, header, _ = _sections(data)
-    rng = random.Random(2)
+    rng = random.Random(seed)
     junk = [None, -1, 0, 2**62, 1.5, "", "x" * 5000, [], {}, [[[]]], {"ref": 3}, True, "aten::mm"]
     blobs = []
-    for i in range(120):
+    for i in range(n):
         if i % 4:
             target = copy.deepcopy(manifest)
             _mutate(target["program"] if i % 2 else target, rng, junk)
@@ -300,6 +298,13 @@ def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> Non
             target = copy.deepcopy(header)
             _mutate(target, rng, junk)
             blobs.append(_repack(data, header=target))
+    return blobs
+
+
+def test_fuzz_rehashed_mutations(runner: Any, w_packages, tmp_path: Path) -> None:
+    """Random mutations of the manifest (program included) and weights header, re-hashed: the
+    C++ runtime refuses them or runs them to a clean error, never crashes."""
+    blobs = _hostile(w_packages["W3"][2].read_bytes(), 2, 120)
     results = _check(runner, blobs, tmp_path)
     assert sum(r == "refused" for r, _ in results) > 30, results
 

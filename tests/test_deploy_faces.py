@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,18 @@ from typing import Any
 import pytest
 import torch
 from conftest import native_available
-from test_deploy import _ids, _mutate, _repack, _sections
-from test_deploy_cpp import _check, _Ones, _Scale, gpt2, int_packages, runner, store, w_packages
+from test_deploy import _ids, _repack, _sections
+from test_deploy_cpp import (
+    _check,
+    _hostile,
+    _Ones,
+    _Scale,
+    gpt2,
+    int_packages,
+    runner,
+    store,
+    w_packages,
+)
 from torch.export import Dim
 
 import fxrt
@@ -233,24 +242,6 @@ def test_forged_packages_are_refused_naming_what(face: Face, w_packages, tmp_pat
         forged.write_bytes(blob)
         with pytest.raises(fxrt.PackageError, match=match):
             face.call(forged, [x])
-
-
-def _hostile(data: bytes, seed: int, n: int) -> list[bytes]:
-    """``n`` rehashed mutations of the package: the manifest, its program, the weights header."""
-    manifest, header, _ = _sections(data)
-    rng = random.Random(seed)
-    junk = [None, -1, 0, 2**62, 1.5, "", "x" * 5000, [], {}, [[[]]], {"ref": 3}, True, "aten::mm"]
-    blobs = []
-    for i in range(n):
-        if i % 4:
-            target = copy.deepcopy(manifest)
-            _mutate(target["program"] if i % 2 else target, rng, junk)
-            blobs.append(_repack(data, manifest=target))
-        else:
-            target = copy.deepcopy(header)
-            _mutate(target, rng, junk)
-            blobs.append(_repack(data, header=target))
-    return blobs
 
 
 @pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
