@@ -241,6 +241,9 @@ def load_runtime(
         model = LoadedModel(keep, where, device, verify_weights, keep)
     except Unsupported:
         return None
+    except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        # what else a hostile manifest provokes in the face's own reading: one clean error
+        raise PackageError(f"invalid fxrt package: {type(e).__name__}: {str(e)[:300]}") from e
     stored = model.runtime_options
     config = CompilerConfig.from_options(None, {**stored, **options, "cache": False})
     stored_arena = CompilerConfig.from_options(None, {**stored, "cache": False}).arena
