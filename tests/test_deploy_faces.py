@@ -350,3 +350,18 @@ def test_a_failing_op_raises_eagers_exception_naming_the_node(face_name: str, tm
     ids = torch.tensor([[3, 4]])
     with torch.inference_mode():
         torch.testing.assert_close(m(ids), model(ids))
+
+
+@pytest.mark.parametrize("face_name", ["load", "python"])
+def test_update_weights_names_an_unknown_name_whatever_its_value(
+    face_name: str, w_packages
+) -> None:
+    """Under ``strict`` an unknown name is refused even when its value is not a tensor, the same
+    on both loaders (nn.Module.load_state_dict refuses it too)."""
+    if face_name == "load" and not native_available():
+        pytest.skip("fxrt.load's runtime is the extension's")
+    model, _, path = w_packages["W2"]
+    m = fxrt.load(path, options={"pure_python": face_name == "python"})
+    with pytest.raises(ValueError, match=r"unknown weights \['nope'\]"):
+        m.update_weights({**model.state_dict(), "nope": 3})
+    m.update_weights({**model.state_dict(), "nope": 3}, strict=False)  # ignored, as unknown

@@ -186,6 +186,8 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
                 raise TypeError(f"fxrt: weight '{name}': expected a tensor, got {type(t).__name__}")
             if isinstance(name, str) and isinstance(t, torch.Tensor):
                 given[name] = t.detach()
+            elif isinstance(name, str):  # unknown: the runtime refuses it under strict, else skips
+                given[name] = torch.empty(0)
         with self._lock:
             self._update_weights(given, strict)
             if self._python_model is not None:
