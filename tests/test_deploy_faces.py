@@ -2,7 +2,8 @@
 
 Faces: ``load`` (``fxrt.load``: the C++ runtime behind a Python face), ``runner`` (the same
 runtime through ``examples/cpp_runner``, no Python), and ``python`` (``fxrt.load`` with
-``pure_python``: the Python loader and loop, the reference). Each test runs one package through a
+``pure_python``: the runtime's loader and checks, the Python loop running the graph, the
+reference). Each test runs one package through a
 face and asserts what a user sees: eager's answers on two different inputs; inputs outside the
 exported signature refused with the same words, naming the input; hostile packages refused with a
 message, never a crash. Last, 240 hostile packages get one verdict from the runtime whichever
@@ -23,9 +24,11 @@ from conftest import native_available
 from test_deploy import _ids, _repack, _sections
 from test_deploy_cpp import (
     _check,
+    _forge,
     _hostile,
     _Ones,
     _Scale,
+    _TwoStreams,
     gpt2,
     int_packages,
     runner,
@@ -190,12 +193,6 @@ def test_derived_sizes_are_checked(face: Face, tmp_path: Path) -> None:
 # Hostile packages
 
 
-def _forge(data: bytes, change: Any) -> bytes:
-    m = copy.deepcopy(_sections(data)[0])
-    change(m)
-    return _repack(data, manifest=m)
-
-
 def test_forged_packages_are_refused_naming_what(face: Face, w_packages, tmp_path: Path) -> None:
     model, (x,), path = w_packages["W2"]
     data = path.read_bytes()
@@ -247,14 +244,16 @@ def test_forged_packages_are_refused_naming_what(face: Face, w_packages, tmp_pat
 @pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
 def test_hostile_packages_get_one_verdict(runner: Any, w_packages, tmp_path: Path) -> None:
     """240 hostile packages: ``fxrt.load`` refuses exactly the ones the C++ runner refuses, with
-    its message; those it loads it runs as the runner does. Two exceptions: what the runtime
-    cannot run though it is valid (no stored program, a node that runs Python) fxrt.load hands to
-    the Python loader, which decides with the package's graph; and the tree specs of the call's
-    structure (pytree's node types), which only the Python face reads, it alone refuses."""
+    its message; those it loads it runs as the runner does. Two exceptions: what the runner cannot
+    run though it is valid (no stored program, a node that runs Python) fxrt.load's runtime loads
+    all the same and runs on the package's graph, which decides (the host's loop); and the tree
+    specs of the call's structure (pytree's node types), which only the Python face reads, it
+    alone refuses."""
     _, (x,), path = w_packages["W3"]
     blobs = _hostile(path.read_bytes(), 2, 240)
     cpp = _check(runner, blobs, tmp_path)
-    tally = {"same": 0, "python loader": 0, "tree specs": 0}
+    tally = {"same": 0, "host loop": 0, "tree specs": 0}
+    unsupported = "no program|runs Python|streams"
     for blob, (verdict, message) in zip(blobs, cpp):
         try:
             m = fxrt.load(blob)
@@ -262,12 +261,15 @@ def test_hostile_packages_get_one_verdict(runner: Any, w_packages, tmp_path: Pat
             if verdict != "refused" and re.search("(input|output) spec|tree specs", str(e)):
                 tally["tree specs"] += 1  # the call's structure: only the Python face reads it
                 continue
+            if verdict == "refused" and re.search(unsupported, message):
+                tally["host loop"] += 1  # the graph refused
+                continue
             assert verdict == "refused" and message == str(e), (verdict, message, str(e))
             tally["same"] += 1
             continue
-        if isinstance(m, fxrt.deploy.loaded.PythonLoadedModel):
-            assert verdict == "refused" and re.search("no program|runs Python|streams", message)
-            tally["python loader"] += 1
+        if m.unsupported:
+            assert verdict == "refused" and m.unsupported == message, (verdict, message)
+            tally["host loop"] += 1
             continue
         assert verdict in ("loaded", "failed"), (verdict, message)
         tally["same"] += 1
@@ -295,34 +297,98 @@ def test_a_manifest_with_escaped_keys_loads(face: Face, w_packages, tmp_path: Pa
 
 @pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
 def test_arena_options_run_on_the_runtime(w_packages, monkeypatch) -> None:
-    """``arena=False`` and ``arena_max_idle`` (options, or FXRT_ARENA / FXRT_ARENA_MAX_IDLE) the
-    runtime honours itself; ``check_inputs`` and the Python loop take the Python loader."""
+    """``arena=False``, ``arena_max_idle`` and ``check_inputs`` (options, or FXRT_ARENA /
+    FXRT_ARENA_MAX_IDLE / FXRT_CHECK_INPUTS) the runtime honours itself; with ``pure_python``
+    every call runs on the Python loop, the runtime checking its inputs."""
     model, (x,), path = w_packages["W2"]
     with torch.inference_mode():
         want = model(x)
-    runtime = fxrt.deploy.LoadedModel  # the runtime's face (PythonLoadedModel is registered)
     for options, env, idle in [
         ({}, {}, 1),
         ({"arena": False}, {}, 0),
         ({"arena_max_idle": 0}, {}, 0),
         ({}, {"FXRT_ARENA": "0"}, 0),
         ({}, {"FXRT_ARENA_MAX_IDLE": "0"}, 0),
+        ({"check_inputs": False}, {}, 1),
+        ({}, {"FXRT_CHECK_INPUTS": "0"}, 1),
     ]:
         with monkeypatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
             m = fxrt.load(path, options=options)
-        assert type(m) is runtime, (options, env)
+        assert m.executor == "cpp", (options, env)
         with torch.inference_mode():
             torch.testing.assert_close(m(x), want)
             y = torch.randn_like(x)  # a second call, another input
             torch.testing.assert_close(m(y), model(y))
         assert m.idle_arenas == idle, (options, env, m.idle_arenas)
-    for options in ({"check_inputs": False}, {"pure_python": True}):
-        m = fxrt.load(path, options=options)
-        assert isinstance(m, fxrt.deploy.loaded.PythonLoadedModel), options
+        checked = options.get("check_inputs", True) and not env
+        bad = torch.randn(x.shape[0], x.shape[1] + 1)
+        if checked:
+            with pytest.raises(fxrt.InputError, match="exported"):
+                m(bad)
+    m = fxrt.load(path, options={"pure_python": True})
+    assert m.executor == "python"
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), want)
+        with pytest.raises(fxrt.InputError, match="exported"):
+            m(torch.randn(x.shape[0], x.shape[1] + 1))
+
+
+class _Thirds(torch.nn.Module):  # truediv of a SymInt: a node that runs Python (PYCALL)
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (x.shape[0] / 3) + self.w
+
+
+@pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
+@pytest.mark.parametrize("kind", ["python node", "two streams", "no stored program"])
+def test_what_the_runtimes_loop_cannot_run_runs_on_the_host_loop(kind: str, tmp_path) -> None:
+    """A valid package the runtime's loop cannot run (a node that runs Python, several streams,
+    no stored program): the runner refuses it naming why; fxrt.load's runtime loads it all the
+    same (``unsupported`` says why) and runs the package's graph on fxrt's loops in place of its
+    own, with its own input checks (the binder's words), weights (update_weights) and answers
+    equal to eager on two inputs, on both loops."""
+    torch.manual_seed(0)
+    if kind == "python node":
+        model, x = _Thirds().eval(), torch.randn(6, 3)
+        pkg = fxrt.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+        why, other = "node truediv runs Python (operator.truediv)", torch.randn(9, 3)
+    else:
+        model, x = _TwoStreams().eval(), torch.randn(2, 16)
+        pkg = fxrt.export(model, (x,))
+        why, other = "switches streams", torch.randn(2, 16)
+    path = tmp_path / "host.fxrt"
+    pkg.save(path)
+    if kind == "no stored program":
+        path.write_bytes(_forge(path.read_bytes(), lambda m: m.pop("program")))
+        why = "stores no program"
+    for pure in (False, True):
+        m = fxrt.load(path, options={"pure_python": pure})
+        assert why in m.unsupported, m.unsupported
+        assert m.executor == ("python" if pure else "cpp") or not pure
         with torch.inference_mode():
-            torch.testing.assert_close(m(x), want)
+            for inp in (x, other):
+                torch.testing.assert_close(m(inp), model(inp))
+            with pytest.raises(fxrt.InputError, match=r"input 'x' \(args\[0\]\): dtype float64"):
+                m(x.double())
+            state = {k: v + 1 for k, v in m.state_dict().items()}
+            m.update_weights(state)
+            changed = copy.deepcopy(model)
+            changed.load_state_dict(state)
+            torch.testing.assert_close(m(other), changed(other))
+
+
+@pytest.mark.skipif(not native_available(), reason="fxrt.load's runtime is the extension's")
+def test_load_without_the_extension_says_how_to_build_it(w_packages, monkeypatch) -> None:
+    from fxrt.deploy import runtime_model
+
+    monkeypatch.setattr(runtime_model, "_runtime", None)
+    with pytest.raises(RuntimeError, match="C\\+\\+ runtime, which is not built here"):
+        fxrt.load(w_packages["W2"][2])
 
 
 class _Lookup(torch.nn.Module):

@@ -216,7 +216,7 @@ def test_a_loaded_package_calls_the_compiled_loop_itself(executor, tmp_path, mon
     or a profiler on, the call goes through the model's _call."""
     skip_unless_executor(executor)
     taken = []
-    face = fxrt.deploy.loaded.PythonLoadedModel if executor == "python" else fxrt.deploy.LoadedModel
+    face = fxrt.deploy.LoadedModel
     original = face._call
     monkeypatch.setattr(
         face,

@@ -216,3 +216,29 @@ def test_the_runtime_face_checks_no_input_itself():
         and node.value.attr == "_binder"
     }
     assert used == {"flatten", "check_constants", "n_args"}, used
+
+
+def test_one_loader():
+    """``fxrt.load`` reads packages only through the C++ runtime: the modules of its path
+    (the face, its host loop, ``load`` itself) import no package or weights-header reader of
+    Python's (``fxrt.deploy.package`` lends them only its error), the binder checks no values
+    (``csrc/src/inputs.cpp`` does), and no second loader or per-call check table of the
+    compiled loop's comes back."""
+    modules = _modules()
+    for mod in ("loaded", "runtime_model", "host_loop", "binder"):
+        tree = ast.parse(modules[f"fxrt.deploy.{mod}"].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("package", "deploy.package"):
+                assert [a.name for a in node.names] == ["PackageError"], (mod, node.names)
+            if isinstance(node, ast.ImportFrom) and node.module == "tensorfile":
+                assert [a.name for a in node.names] == ["loads_json"], (mod, node.names)
+    binder = {
+        n.name
+        for n in ast.walk(ast.parse((ROOT / "deploy" / "binder.py").read_text()))
+        if isinstance(n, ast.FunctionDef)
+    }
+    assert not binder & {"check", "quick", "tables"}, binder
+    for gone in ("deploy/python_loader.py", "deploy/weights.py", "deploy/size_expr.py"):
+        assert not (ROOT / gone).exists(), gone
+    assert not (ROOT / "_speedups" / "package_checks.h").exists()
+    assert "PackageEntry" not in (ROOT / "_speedups" / "_loop.pyx").read_text()

@@ -271,6 +271,9 @@ void Model::Impl::check_user_inputs(const std::vector<T>& inputs) const {
                      : std::string(" tensor inputs")) +
         ", got " + std::to_string(inputs.size()));
   }
+  if (!check_inputs) {
+    return;
+  }
   // Per symbol: its value in this call, and where it was first read (user input, dim).
   std::vector<int64_t> bound(symbols.size(), -1);
   std::vector<std::pair<size_t, size_t>> from(symbols.size());

@@ -88,6 +88,15 @@ const c10::OperatorHandle& Model::Impl::op(const Value& name, const std::string&
   return it->second;
 }
 
+void Model::Impl::unrunnable(const std::string& why) {
+  if (!host) {
+    throw Unsupported(why);
+  }
+  if (unsupported.empty()) {
+    unsupported = why;
+  }
+}
+
 void Model::Impl::check_ops(const Value& table, const Value& producer) {
   const Value* torch = producer.find("torch");
   std::string made_by = torch != nullptr && torch->is_string() ? clip(torch->s, 40) : "?";
@@ -99,15 +108,19 @@ void Model::Impl::check_ops(const Value& table, const Value& producer) {
       fail("ops: " + clip(name, 80) + " is not an op name");
     }
     auto handle = c10::Dispatcher::singleton().findSchema(op_name(name));
+    bool stream_op = false;
     for (const char* op : {"::scope_enter", "::scope_exit", "::record", "::wait"}) {
-      if (!handle.has_value() && name.size() > std::strlen(op) &&
-          name.compare(name.size() - std::strlen(op), std::string::npos, op) == 0 &&
-          (name.rfind("fxrt::", 0) == 0 || name.rfind("air::", 0) == 0)) {
-        throw Unsupported(
-            "fxrt package: op " + clip(name, 200) +
-            " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
-            "this package)");
-      }
+      stream_op = stream_op ||
+          (!handle.has_value() && name.size() > std::strlen(op) &&
+           name.compare(name.size() - std::strlen(op), std::string::npos, op) == 0 &&
+           (name.rfind("fxrt::", 0) == 0 || name.rfind("air::", 0) == 0));
+    }
+    if (stream_op) {  // not registered here; a host resolves it when it decodes the graph
+      unrunnable(
+          "fxrt package: op " + clip(name, 200) +
+          " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
+          "this package)");
+      continue;
     }
     if (!handle.has_value()) {
       throw PackageError(
@@ -169,17 +182,17 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
   }
   const Value* module = manifest.find("module");
   m.module = module != nullptr && module->is_string() ? clip(module->s, 200) : "?";
+  m.host = options.host_executor;
   const Value* program = manifest.find("program");
   if (program == nullptr || program->is_null()) {
     const Value* info = manifest.find("info");
     const Value* why = info != nullptr ? info->find("cpp") : nullptr;
-    throw Unsupported(
+    m.unrunnable(
         "fxrt package: it stores no program for the C++ runtime (" +
         (why != nullptr && why->is_string() ? clip(why->s, 300)
                                            : std::string("made by an older fxrt; export it again")) +
         ")");
-  }
-  if (!program->is_object()) {
+  } else if (!program->is_object()) {
     fail("program must be an object");
   }
   c10::Device exported = decode::device(string(member(manifest, "device", "manifest"), "device"), "device");
@@ -194,8 +207,8 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
     }
     m.cross_type = m.device.type() != exported.type();
   }
-  // The options of fxrt.load the package defaults to (the stored program was lowered with them;
-  // pure_python and arena_max_idle concern hosts with a Python loop): checked, not used.
+  // The options of fxrt.load the package defaults to (the stored program was lowered with them):
+  // arena_max_idle and check_inputs are this runtime's defaults too, pure_python a host's.
   for (const auto& [key, v] : object(manifest, "runtime_options", "manifest").o) {
     if (key == "arena_max_idle") {
       m.arena_max_idle = integer(v, "runtime_options: arena_max_idle", 0, int64_t{1} << 20);
@@ -203,6 +216,8 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
       fail("unknown runtime options [" + clip(key, 40) + "]");
     } else if (v.type != Value::BOOL) {
       fail("runtime_options: " + key + " must be a bool");
+    } else if (key == "check_inputs") {
+      m.check_inputs = v.b;
     }
   }
   m.arena_max_idle = options.arena_max_idle.value_or(m.arena_max_idle);
@@ -210,9 +225,16 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
     throw std::invalid_argument("fxrt: LoadOptions::arena_max_idle must be 0 or more");
   }
   m.use_arena = options.arena && !m.cross_type;
+  m.check_inputs = options.check_inputs.value_or(m.check_inputs);
   m.check_ops(object(manifest, "ops", "manifest"), object(manifest, "producer", "manifest"));
   m.load_weights(raw, object(manifest, "weights", "manifest"));
-  m.load_program(raw, manifest, *manifest.find("program"));
+  if (program != nullptr && program->is_object()) {
+    m.load_program(raw, manifest, *program);
+  } else {  // a host's: the graph's inputs and outputs are the signature's
+    const Value& sig = object(manifest, "signature", "manifest");
+    m.input_regs.assign(array(sig, "inputs", "signature").a.size(), -1);
+    m.outs.resize(array(sig, "outputs", "signature").a.size());
+  }
   m.load_signature(object(manifest, "signature", "manifest"));
   m.check_weights(raw, manifest);
   // The prelude, manifest and weights header are parsed: their pages leave the process (the
@@ -220,6 +242,10 @@ void Model::load(RawPackage raw, const LoadOptions& options) {
   // The small fields a host reads after the load are kept as text.
   for (const char* key : {"signature", "runtime_options", "module", "device", "producer"}) {
     m.small_fields.emplace(key, json::member_text(m.manifest_text, key));
+  }
+  if (m.host) {
+    m.entries.insert(raw.entries.begin(), raw.entries.end());
+    m.data_start = raw.data_start;
   }
   raw.file->release_before(static_cast<size_t>(raw.data_start));
   raw.manifest = Value();
@@ -265,25 +291,45 @@ Registers Model::Impl::execute(Registers regs) const {
 // for the whole call: an update_weights meanwhile does not mix in), the program run, the
 // mutations copied back; `emit` gets each user output.
 template <class T, class Emit>
-void Model::Impl::call(const std::vector<T>& inputs, Emit emit) const {
+void Model::Impl::call(const std::vector<T>& inputs, Emit emit, const HostExecutor* host) const {
+  if (host == nullptr && !unsupported.empty()) {
+    throw Unsupported(unsupported);
+  }
   check_user_inputs(inputs);
   std::shared_ptr<const WeightSet> weights = current.load();
-  Registers regs = exec->registers();
-  for (size_t i = 0; i < sources.size(); ++i) {
-    const Source& s = sources[i];
-    IValue& r = regs[static_cast<size_t>(input_regs[i])];
+  auto input = [&](const Source& s) -> IValue {
     if (s.kind == Source::USER) {
-      r = inputs[s.index];
-    } else if (s.kind == Source::WEIGHT) {
-      r = weights->tensors[s.index];
-    } else {
-      r = s.value;
+      return inputs[s.index];
+    }
+    return s.kind == Source::WEIGHT ? IValue(weights->tensors[s.index]) : s.value;
+  };
+  Registers regs;
+  std::vector<IValue> results;
+  if (host == nullptr) {
+    regs = exec->registers();
+    for (size_t i = 0; i < sources.size(); ++i) {
+      regs[static_cast<size_t>(input_regs[i])] = input(sources[i]);
+    }
+    regs = execute(std::move(regs));
+  } else {
+    std::vector<IValue> graph_inputs;
+    graph_inputs.reserve(sources.size());
+    for (const Source& s : sources) {
+      graph_inputs.push_back(input(s));
+    }
+    results = (*host)(std::move(graph_inputs));
+    if (results.size() != outs.size()) {
+      throw RunError(
+          "fxrt: the host's executor returned " + std::to_string(results.size()) +
+          " outputs for the graph's " + std::to_string(outs.size()));
     }
   }
-  regs = execute(std::move(regs));
   size_t index = 0;
-  for (const Out& o : outs) {
-    const IValue& v = o.reg >= 0 ? regs[static_cast<size_t>(o.reg)] : o.value;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const Out& o = outs[i];
+    const IValue& v = host != nullptr ? results[i]
+        : o.reg >= 0                  ? regs[static_cast<size_t>(o.reg)]
+                                      : o.value;
     if (o.kind == Out::USER) {
       emit(index++, v);
     } else if (!v.isTensor()) {
@@ -337,6 +383,18 @@ std::vector<IValue> Model::run(const std::vector<IValue>& inputs) const {
   return out;
 }
 
+std::vector<IValue> Model::run_on(const std::vector<IValue>& inputs, const HostExecutor& host) const {
+  const Impl& m = *impl_;
+  std::vector<IValue> out;
+  out.reserve(m.n_user_outputs);
+  m.call(inputs, [&](size_t, const IValue& v) { out.push_back(v); }, &host);
+  return out;
+}
+
+const std::string& Model::unsupported() const {
+  return impl_->unsupported;
+}
+
 const std::vector<InputInfo>& Model::inputs() const {
   return impl_->infos;
 }
@@ -350,7 +408,7 @@ const std::string& Model::module_name() const {
 }
 
 size_t Model::num_instructions() const {
-  return impl_->exec->size();
+  return impl_->exec != nullptr ? impl_->exec->size() : 0;
 }
 
 c10::Device Model::device() const {
@@ -358,7 +416,7 @@ c10::Device Model::device() const {
 }
 
 size_t Model::idle_arenas() const {
-  return impl_->exec->idle_arenas();
+  return impl_->exec != nullptr ? impl_->exec->idle_arenas() : 0;
 }
 
 std::string_view Model::manifest_json() const {
@@ -369,6 +427,16 @@ std::string_view Model::manifest_field(std::string_view key) const {
   auto it = impl_->small_fields.find(key);
   return it != impl_->small_fields.end() ? std::string_view(it->second)
                                          : json::member_text(impl_->manifest_text, key);
+}
+
+std::string_view Model::entry_bytes(std::string_view name) const {
+  auto it = impl_->entries.find(name);
+  if (it == impl_->entries.end()) {
+    return {};
+  }
+  const Entry& e = it->second;
+  return {reinterpret_cast<const char*>(impl_->file->data() + impl_->data_start + e.begin),
+          static_cast<size_t>(e.end - e.begin)};
 }
 
 }  // namespace fxrt

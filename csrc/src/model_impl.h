@@ -55,7 +55,12 @@ struct Model::Impl {
   bool cross_type = false;  // running on another device type than the export's: no arena
   bool use_arena = true;  // the program's arena, if it has one (not across device types)
   int64_t arena_max_idle = 2;
-  std::unique_ptr<Executor> exec;
+  bool check_inputs = true;  // the inputs checked on every call (the count always is)
+  bool host = false;  // LoadOptions::host_executor
+  std::string unsupported;  // with `host`: why run() cannot run the package (empty: it can)
+  std::map<std::string, Entry, std::less<>> entries;  // the weights section, for the host
+  uint64_t data_start = 0;
+  std::unique_ptr<Executor> exec;  // null: no stored program (a host's only)
   std::vector<int64_t> input_regs;
 
   // ---- weights (weights.cpp)
@@ -105,6 +110,8 @@ struct Model::Impl {
   std::unordered_map<std::string, c10::OperatorHandle> ops;
 
   // model.cpp (ops, run) and program.cpp (load_program)
+  // What this runtime cannot run (`why`): Unsupported, or with `host` noted for run().
+  void unrunnable(const std::string& why);
   void check_ops(const json::Value& table, const json::Value& producer);
   std::vector<IValue> graph_constants(
       const RawPackage& raw,
@@ -115,7 +122,7 @@ struct Model::Impl {
   const c10::OperatorHandle& op(const json::Value& name, const std::string& where) const;
   Registers execute(Registers regs) const;
   template <class T, class Emit>
-  void call(const std::vector<T>& inputs, Emit emit) const;
+  void call(const std::vector<T>& inputs, Emit emit, const HostExecutor* host = nullptr) const;
 
   // weights.cpp
   void load_weights(const RawPackage& raw, const json::Value& records);

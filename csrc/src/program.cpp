@@ -107,11 +107,25 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
                            static_cast<int64_t>(nodes.a.size()) - 1);
     const std::string& node_name = nodes.a[static_cast<size_t>(node)].s;
     at += " (node " + clip(node_name) + ")";
+    // What this runtime does not run: a host runs the package (its graph, which it checks
+    // against this program); the instruction's results count as written.
+    auto host_runs = [&](const std::string& why, const std::vector<int64_t>& outputs) {
+      unrunnable(why);
+      for (int64_t r : outputs) {
+        regs.define(r);
+      }
+      exec->add_python_op();
+      where.push_back("node " + node_name);
+    };
     if (kind == "STREAM" || kind == "RECORD" || kind == "WAIT") {
-      throw Unsupported(
+      const Value* made = ins.find("outputs");
+      host_runs(
           "fxrt package: node " + clip(node_name) +
-          " switches streams; the C++ runtime runs single-stream programs only (fxrt.load runs "
-          "this package)");
+              " switches streams; the C++ runtime runs single-stream programs only (fxrt.load "
+              "runs this package)",
+          made != nullptr && made->is_array() ? ints(*made, at + ": outputs", 0, n_regs - 1)
+                                              : std::vector<int64_t>{});
+      continue;
     }
     std::vector<int64_t> outputs = ints(array(ins, "outputs", at), at + ": outputs", 0, n_regs - 1);
     if (outputs.empty()) {
@@ -119,9 +133,12 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
     }
     const std::string& opname = string(member(ins, "op", at), at + ": op");
     if (kind == "PYCALL") {
-      throw Unsupported(
+      host_runs(
           "fxrt package: node " + clip(node_name) + " runs Python (" + clip(opname, 80) +
-          "); the C++ runtime cannot run this package (python -m fxrt inspect lists such nodes)");
+              "); the C++ runtime cannot run this package (python -m fxrt inspect lists such "
+              "nodes)",
+          outputs);
+      continue;
     }
     if (kind == "SYM") {
       SymOp sym;
@@ -255,6 +272,9 @@ void Model::Impl::load_program(const RawPackage& raw, const Value& m, const Valu
     int64_t pos = integer(s.a[0], at, 0, static_cast<int64_t>(input_regs.size()) - 1);
     arena_inputs.push_back({static_cast<size_t>(input_regs[static_cast<size_t>(pos)]),
                             ints(s.a[1], at, 0, int64_t{1} << 62), dtype(s.a[2], at)});
+  }
+  if (!check_inputs) {
+    specs.clear();  // this->specs stay: the weights are checked against them at load
   }
   exec->set_guards(
       std::move(specs), std::move(arena_inputs),

@@ -99,15 +99,6 @@ cdef extern from "replays.h" namespace "fxrt":
         int why
 
 
-cdef extern from "package_checks.h" namespace "fxrt":
-    cdef cppclass CPackageChecks "fxrt::PackageChecks":
-        void add_range(int64_t leaf, int64_t dim, int64_t lo, int64_t hi)
-        void add_constant(int64_t leaf, object value)
-        void add_site(int64_t sym, int64_t leaf, int64_t dim)
-        void add_int(int64_t leaf, int64_t sym, int64_t lo, int64_t hi)
-        cbool ok(object args)
-
-
 cdef extern from "<ATen/record_function.h>" namespace "at":
     cbool hasCallbacks()
 
@@ -373,52 +364,3 @@ cdef class ReplayIndex:
 
 
 _WHY = ("", "changed address", "changed storage size")
-
-
-cdef class PackageEntry:
-    """The call of a loaded package (fxrt.deploy.loaded.LoadedModel subclasses it): a call made
-    as the package was exported, positional leaves only, goes from here to the compiled loop
-    with the package's weights in front and no Python frame, once the per-call checks pass
-    (package_checks.h). Any other call, one those checks refuse, and every call while a profiler
-    is on, goes to the subclass's ``_call(args, kwargs)``; ``_call_failed(args, exc)`` names the
-    input when the loop refuses one."""
-
-    cdef Executor _direct_loop
-    cdef CPackageChecks _checks
-    cdef Py_ssize_t _direct_args
-    cdef public tuple _prefix
-    """The weights in input order (what update_weights publishes)."""
-
-    def _set_direct(self, Executor loop, Py_ssize_t n_args, ranges, constants, sites, ints):
-        """Calls of ``n_args`` positional leaves run ``loop`` directly, after the checks:
-        ``ranges`` (leaf, dim, lo, hi), ``constants`` (leaf, value), ``sites`` (symbol, leaf,
-        dim or -1 for an int leaf), ``ints`` (leaf, symbol, lo, hi)."""
-        for leaf, dim, lo, hi in ranges:
-            self._checks.add_range(leaf, dim, lo, hi)
-        for leaf, value in constants:
-            self._checks.add_constant(leaf, value)
-        for sym, leaf, dim in sites:
-            self._checks.add_site(sym, leaf, dim)
-        for leaf, sym, lo, hi in ints:
-            self._checks.add_int(leaf, sym, lo, hi)
-        self._direct_args = n_args
-        self._direct_loop = loop
-
-    def __call__(self, *args, **kwargs):
-        if (
-            self._direct_loop is None or kwargs or len(args) != self._direct_args
-            or _instrumenting or hasCallbacks() or not self._checks.ok(args)
-        ):
-            return self._call(args, kwargs)
-        try:
-            out = self._direct_loop._run(self._prefix + args)
-        except BaseException as exc:
-            self._call_failed(args, exc)
-            raise
-        return out[0]
-
-    def _call(self, args, kwargs):
-        raise NotImplementedError
-
-    def _call_failed(self, args, exc):
-        pass

@@ -24,12 +24,16 @@ cdef extern from "runtime_face.h" namespace "fxrt":
         size_t num_instructions()
         size_t mapped_weights()
         size_t idle_arenas()
+        const string& unsupported()
 
     cdef cppclass CFaceModel "fxrt::FaceModel":
         CFaceModel(
-            object source, const string& device, cbool verify, cbool arena, int64_t max_idle
+            object source, const string& device, cbool verify, cbool arena, int64_t max_idle,
+            int check_inputs, cbool host_executor
         ) except +raise_runtime_error
         object run(object args) except +raise_runtime_error
+        object run_on(object args, object executor) except +raise_runtime_error
+        object entry_bytes(const string& name) except +raise_runtime_error
         object state_dict() except +raise_runtime_error
         void update_weights(object weights, cbool strict) except +raise_runtime_error
         object inputs() except +raise_runtime_error
@@ -50,15 +54,34 @@ def set_errors(package, unsupported, input, run):
 
 cdef class Model:
     """One package loaded by the C++ runtime: ``Model(path_or_bytes, device, verify_weights,
-    arena=True, arena_max_idle=-1)`` (-1: the package's, else 2)."""
+    arena=True, arena_max_idle=-1, check_inputs=-1, host_executor=False)`` (-1: the package's
+    option); with ``host_executor``, a package the runtime cannot run loads and runs only through
+    :meth:`run_on` (``unsupported`` says why)."""
 
     cdef unique_ptr[CFaceModel] _m
     cdef Py_ssize_t _direct_args
     cdef cbool _direct_plain
 
-    def __init__(self, source, device, cbool verify_weights, cbool arena=True, int64_t arena_max_idle=-1):
+    def __init__(
+        self,
+        source,
+        device,
+        cbool verify_weights,
+        cbool arena=True,
+        int64_t arena_max_idle=-1,
+        int check_inputs=-1,
+        cbool host_executor=False,
+    ):
         self._m.reset(
-            new CFaceModel(source, (device or "").encode(), verify_weights, arena, arena_max_idle)
+            new CFaceModel(
+                source,
+                (device or "").encode(),
+                verify_weights,
+                arena,
+                arena_max_idle,
+                check_inputs,
+                host_executor,
+            )
         )
         self._direct_args = -1
 
@@ -78,6 +101,20 @@ cdef class Model:
         """The outputs (a list) of a call on the user inputs in call order (constants left
         out), as the C++ API's ``Model::run``."""
         return self._m.get().run(leaves)
+
+    def run_on(self, leaves, executor):
+        """As :meth:`run`, the graph run by ``executor(graph_inputs) -> graph_outputs`` (the
+        inputs checked, the weights of one set and the mutations copied back by the runtime)."""
+        return self._m.get().run_on(leaves, executor)
+
+    @property
+    def unsupported(self):
+        """Why the runtime cannot run the package itself ("": it can)."""
+        return self._m.get().model().unsupported().decode()
+
+    def _entry_bytes(self, str name):
+        """The bytes of one weights-section entry ("graph/<name>"; empty: none)."""
+        return self._m.get().entry_bytes(name.encode())
 
     def state_dict(self):
         """The current weights by name (tied names map to one tensor)."""

@@ -42,11 +42,33 @@ inline void set_face_errors(PyObject* package, PyObject* unsupported, PyObject* 
   e = {package, unsupported, input, run};
 }
 
+// A Python exception raised inside a call into Python the runtime made (a host executor's), carried
+// through the runtime's C++ frames and raised again as it was.
+struct PythonRaised {
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  PythonRaised() { PyErr_Fetch(&type, &value, &traceback); }
+  PythonRaised(PythonRaised&& o) noexcept : type(o.type), value(o.value), traceback(o.traceback) {
+    o.type = o.value = o.traceback = nullptr;
+  }
+  PythonRaised(const PythonRaised&) = delete;
+  ~PythonRaised() {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+  }
+  void restore() {
+    PyErr_Restore(type, value, traceback);
+    type = value = traceback = nullptr;
+  }
+};
+
 // The Cython `except +` handler: the exception in flight as the Python exception fxrt raises.
 inline void raise_runtime_error() {
   const FaceErrors& e = face_errors();
   try {
     throw;
+  } catch (PythonRaised& x) {
+    x.restore();
   } catch (const Unsupported& x) {
     PyErr_SetString(e.unsupported ? e.unsupported : PyExc_ValueError, x.what());
   } catch (const PackageError& x) {
@@ -128,10 +150,16 @@ class FaceModel {
       const std::string& device,
       bool verify_weights,
       bool arena,
-      int64_t arena_max_idle) {
+      int64_t arena_max_idle,
+      int check_inputs,
+      bool host_executor) {
     LoadOptions options;
     options.verify_weights = verify_weights;
     options.arena = arena;
+    options.host_executor = host_executor;
+    if (check_inputs >= 0) {
+      options.check_inputs = check_inputs != 0;
+    }
     if (arena_max_idle >= 0) {
       options.arena_max_idle = arena_max_idle;
     }
@@ -171,17 +199,7 @@ class FaceModel {
   // The outputs of a call on `args` (a tuple or list of the user inputs, in call order), as a
   // list. The GIL is released while the program runs.
   PyObject* run(PyObject* args) const {
-    PyObject* seq = PySequence_Fast(args, "fxrt: run() takes a sequence of inputs");
-    if (seq == nullptr) {
-      return nullptr;
-    }
-    std::vector<c10::IValue> inputs;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    inputs.reserve(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      inputs.push_back(to_ivalue(PySequence_Fast_GET_ITEM(seq, i)));
-    }
-    Py_DECREF(seq);
+    std::vector<c10::IValue> inputs = values(args);
     std::vector<c10::IValue> out;
     Py_BEGIN_ALLOW_THREADS;
     try {
@@ -191,19 +209,26 @@ class FaceModel {
       throw;
     }
     Py_END_ALLOW_THREADS;
-    PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
-    if (list == nullptr) {
-      return nullptr;
-    }
-    for (size_t i = 0; i < out.size(); ++i) {
-      PyObject* o = from_ivalue(out[i]);
-      if (o == nullptr) {
-        Py_DECREF(list);
-        return nullptr;
+    return list_of(out);
+  }
+
+  // As run(), the graph run by `executor` (a Python callable: the list of graph inputs to the
+  // sequence of graph outputs; Model::run_on), with the GIL held.
+  PyObject* run_on(PyObject* args, PyObject* executor) const {
+    std::vector<c10::IValue> out = model_->run_on(values(args), [executor](std::vector<c10::IValue> in) {
+      PyObject* list = list_of(in);
+      PyObject* got = list != nullptr ? PyObject_CallOneArg(executor, list) : nullptr;
+      Py_XDECREF(list);
+      PyObject* seq = got != nullptr ? PySequence_Fast(got, "fxrt: the executor returns a sequence") : nullptr;
+      Py_XDECREF(got);
+      if (seq == nullptr) {
+        throw PythonRaised();
       }
-      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), o);
-    }
-    return list;
+      std::vector<c10::IValue> results = values_of(seq);
+      Py_DECREF(seq);
+      return results;
+    });
+    return list_of(out);
   }
 
   // name -> tensor, as Model::state_dict.
@@ -266,9 +291,50 @@ class FaceModel {
     return PyBytes_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
   }
 
+  PyObject* entry_bytes(const std::string& name) const {
+    std::string_view bytes = model_->entry_bytes(name);
+    return PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
+  }
+
   const Model& model() const { return *model_; }
 
  private:
+  static std::vector<c10::IValue> values_of(PyObject* seq) {
+    std::vector<c10::IValue> inputs;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    inputs.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      inputs.push_back(to_ivalue(PySequence_Fast_GET_ITEM(seq, i)));
+    }
+    return inputs;
+  }
+
+  static std::vector<c10::IValue> values(PyObject* args) {
+    PyObject* seq = PySequence_Fast(args, "fxrt: run() takes a sequence of inputs");
+    if (seq == nullptr) {
+      throw PythonRaised();
+    }
+    std::vector<c10::IValue> inputs = values_of(seq);
+    Py_DECREF(seq);
+    return inputs;
+  }
+
+  static PyObject* list_of(const std::vector<c10::IValue>& values) {
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+    if (list == nullptr) {
+      return nullptr;
+    }
+    for (size_t i = 0; i < values.size(); ++i) {
+      PyObject* o = from_ivalue(values[i]);
+      if (o == nullptr) {
+        Py_DECREF(list);
+        return nullptr;
+      }
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), o);
+    }
+    return list;
+  }
+
   std::unique_ptr<Model> model_;
 };
 

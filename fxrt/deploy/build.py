@@ -21,8 +21,7 @@ what matters here: ``update_weights`` would need a new program, tied weights wou
 constants, and the loader could not hand the compiled graph the memory-mapped tensors as they
 are. ``options={"freeze": True}`` (fold the weights into the graph) therefore raises.
 
-The package's manifest is described in :mod:`fxrt.deploy.python_loader` (which reads it) and its
-file layout in :mod:`fxrt.deploy.package`.
+The package's file layout and manifest are described in :mod:`fxrt.deploy.package`.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class Package:
         compiled: the :class:`fxrt.CompiledGraph` fxrt compiled; its inputs are the weights (in
             ``signature.inputs`` order) followed by the flattened call arguments.
         exported: the ``torch.export.ExportedProgram`` it was compiled from (decomposed).
-        manifest: the package's JSON manifest (see :mod:`fxrt.deploy.python_loader`).
+        manifest: the package's JSON manifest (see :mod:`fxrt.deploy.package`).
         weights: the weights by name (the model's own tensors; :meth:`save` writes their values
             at that time).
     """
@@ -166,7 +165,7 @@ def export(
     records, entries = _plan_weights(weights, kinds)
     doc, tensors = encode_graph(cg.graph, cg.pass_records)
     doc = dict(doc)
-    doc.pop("versions")  # the package's "producer" records them; see fxrt.deploy.python_loader
+    doc.pop("versions")  # the package's "producer" records them; see fxrt.deploy.package
     doc["tensors"] = {name: r.to_json() for name, r in tensors.items()}
     for name, r in tensors.items():
         entries.append((f"graph/{name}", "U8", (r.nbytes,), lambda r=r: r.payload or b""))

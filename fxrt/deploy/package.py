@@ -17,7 +17,33 @@ Layout (all integers little-endian)::
        128        manifest (UTF-8 JSON), zero padding to the weights offset (checked)
                   weights section: a safetensors file (see :mod:`fxrt.deploy.tensorfile`)
 
-Reading a package never runs code and never trusts a byte before it is checked:
+The manifest (JSON, ``"format": "fxrt-package/1"``) holds::
+
+    producer         fxrt / torch / python versions and fxrt's source hash (informational)
+    module           the exported module's class name
+    device           the device the model was exported on
+    options          the compiler options given to fxrt.export (informational)
+    runtime_options  the defaults for fxrt.load: pure_python, arena, arena_max_idle, check_inputs
+    graph            the compiled fxrt IR, in fxrt.serialize's artifact encoding; its tensors
+                     (constants fxrt made) are the weights section's "graph/<name>" entries
+    program          the lowered Program as data, for the C++ runtime
+                     (fxrt.deploy.program_data; null when it cannot be encoded; absent in
+                     packages of fxrt versions before it)
+    ops              every ATen op the graph calls: qualified name -> schema string
+    signature        graph inputs (weight / tensor / constant / symint), outputs (user leaf /
+                     buffer or input mutation), size-symbol ranges and Dim names, in and out
+                     tree specs (fxrt.deploy.signature)
+    weights          name -> {entry, dtype, shape, stride, offset, kind}: a strided view of a
+                     weights-section entry (tied names share an entry)
+    info             fallbacks, demotions and timings of the export (informational)
+
+Loading is the C++ runtime's (``csrc/src``, behind :func:`fxrt.load` and the C++ API): it reads
+the file as :func:`read` does here and validates everything it runs (the manifest's fields, the
+op schemas, the program, the weights and the signature); where fxrt's own loops run the package's
+graph instead, :mod:`fxrt.deploy.host_loop` validates the graph (through
+:func:`fxrt.serialize.decode_graph`, as cache artifacts are). :func:`read` here serves
+``python -m fxrt inspect`` and tests. Reading a package never runs code and never trusts a byte
+before it is checked:
 
 1. The prelude: magic, version, flags, and offsets that tile the file exactly (manifest after the
    prelude, weights after the manifest, the file as long as it says).
@@ -27,11 +53,6 @@ Reading a package never runs code and never trusts a byte before it is checked:
    reads every page of the weights).
 3. The manifest JSON (no duplicate keys, no NaN) and the weights header
    (:func:`fxrt.deploy.tensorfile.read_header`).
-4. The C++ runtime (csrc/src, :mod:`fxrt.deploy.runtime_model`) reads the file the same way
-   and validates what it runs: the manifest's fields, the op schemas, the program, the weights
-   and the signature. :mod:`fxrt.deploy.python_loader` validates the graph (through
-   :func:`fxrt.serialize.decode_graph`, as cache artifacts are) where it is decoded, and
-   recomputes the plan and program.
 
 The hashes catch accidents (truncated downloads, bad disks); they are not signatures. Safety
 against a hostile file comes from the validation, which runs whatever the hashes say.

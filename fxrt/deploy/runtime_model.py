@@ -4,22 +4,21 @@ The runtime (``csrc/``, the library the C++ API ships, compiled into the extensi
 ``fxrt._speedups._runtime``) does the loading and every call: it checks the file's structure and
 hashes, looks up every op and compares its schema, validates and binds the stored program, maps
 the weights, checks each call's inputs (dtypes, devices, sizes, symbol ranges, derived sizes, int
-inputs; errors name the input) and runs the program on the compiled loop with the GIL released;
-``update_weights`` and ``state_dict`` are its own. This face adds what only Python has:
+inputs; errors name the input), runs the program on the compiled loop with the GIL released and
+copies mutations back; ``update_weights`` and ``state_dict`` are its own. This face adds what only
+Python has:
 
 - the call's structure: ``(args, kwargs)`` flattened as exported (:meth:`Binder.flatten`), the
   constants the export specialized on compared and left out, outputs unflattened to the exported
   tree. A call made as exported (positional leaves, one output, no constants) goes from the
   extension's ``Model.__call__`` to the runtime with no Python frame;
-- the Python loop (:mod:`fxrt.deploy.python_loader`), built from the same package the first
-  time it is needed: for calls under ``fxrt.profile``, ``record_function`` callbacks or a
-  ``__torch_function__`` (a mode, a tensor subclass), which the runtime does not see; and for
-  ``graph``, ``program`` and ``compiled``, the IR a user inspects. It shares the runtime's weight
-  tensors.
-
-:func:`load_runtime` is what :func:`fxrt.load` calls first; it returns None where the runtime
-cannot run the package (no stored program, several streams, a node that runs Python) and the
-Python loader runs it.
+- the package's graph on fxrt's own loops (:mod:`fxrt.deploy.host_loop`), which the runtime's
+  ``run_on`` calls in place of its loop (its checks, weights and mutations as always): for every
+  call with the Python loop (``pure_python``) or of a package whose program the runtime cannot
+  run (a node that runs Python, several streams, no stored program), and for calls under
+  ``fxrt.profile``, ``record_function`` callbacks or a ``__torch_function__`` (a mode, a tensor
+  subclass), which the runtime does not see; built the first time it is needed, or at load when
+  every call needs it. ``graph``, ``program`` and ``compiled`` are its IR.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ from ..errors import ExecutionError, _with_original_type
 from ..exec.inputs import InputError
 from ..exec.native import extension_status
 from .binder import Binder
+from .host_loop import host_graph, manifest_fields
 from .package import PackageError
-from .python_loader import load_python
 from .signature import Signature, spec_from_json
 from .tensorfile import loads_json
 
@@ -46,7 +45,11 @@ _runtime = extension_status().runtime
 
 
 class Unsupported(PackageError):
-    """A valid package that the C++ runtime cannot run (the Python loader runs it)."""
+    """A valid package that the C++ runtime cannot run itself (fxrt.load runs its graph on
+    fxrt's own loops)."""
+
+
+RUNTIME_OPTIONS = ("pure_python", "arena", "arena_max_idle", "check_inputs")
 
 
 # fxrt::RunError::Cause -> the Python type the failed op raised, as eager raises it.
@@ -81,32 +84,29 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         where: str,
         device: Any,
         verify_weights: bool,
-        keep: Any,
-        options: dict[str, Any] | None = None,
+        config: CompilerConfig | None = None,
     ):
-        options = dict(options or {})
         dev = None if device is None else str(device)
-        super().__init__(
-            source,
-            dev,
-            verify_weights,
-            options.get("arena", True),
-            options.get("arena_max_idle", -1),
-        )
-        self.path = where
-        self._keep = keep  # the package, for the Python loader when it is needed
-        self._options = options
-        self._device = device
-        self._lock = threading.Lock()
-        self._python_model: Any = None
-        self._manifest: dict[str, Any] | None = None
-        # The fields the face reads, each parsed from its own text (the runtime keeps the file);
-        # the whole manifest (most of it the graph) only where a key is written with escapes.
-        texts = {k: self._manifest_field(k) for k in ("signature", "runtime_options")}
-        if all(texts.values()):
-            m = {k: loads_json(t, k) for k, t in texts.items()}
+        if config is None:  # the package's options
+            super().__init__(source, dev, verify_weights, host_executor=True)
         else:
-            m = loads_json(self._manifest_json(), "manifest")
+            super().__init__(
+                source,
+                dev,
+                verify_weights,
+                config.arena,
+                config.arena_max_idle,
+                int(config.check_inputs),
+                True,
+            )
+        self.path = where
+        self._device = device
+        self._config = config
+        self._lock = threading.Lock()
+        self._host_entry: Any = None
+        self._compiled: Any = None
+        self._manifest: dict[str, Any] | None = None
+        m = manifest_fields(self, ("signature", "runtime_options"))
         self.runtime_options = dict(m["runtime_options"])  # the defaults fxrt.load applies
         sig = Signature.from_json(m["signature"])
         in_spec = spec_from_json(sig.in_spec, "input")
@@ -117,45 +117,61 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         if in_spec.num_leaves != len(users) or self._out_spec.num_leaves != n_user_out:
             raise PackageError("invalid fxrt package: the tree specs do not match the signature")
         self.signature = sig
-        self._binder = Binder(sig, in_spec, None if device is None else self._target())
+        self._binder = Binder(sig, in_spec)
         self._pass = [i for i, s in enumerate(users) if s.kind != "constant"]
         self._all_pass = len(self._pass) == len(users)
         if [(s.name, s.kind == "symint") for s in users if s.kind != "constant"] != [
             (name, is_int) for name, _, is_int in self.inputs
         ]:
             raise PackageError("invalid fxrt package: the signature's inputs are not the program's")
+        # Where the call's leaves go among the graph's inputs (the host's executor gets them as
+        # they were passed: a tensor subclass stays one).
+        self._user_pos = [i for i, s in enumerate(sig.inputs) if s.kind in ("tensor", "symint")]
         self._plain = self._out_spec.is_leaf()
-        if self._binder.n_args >= 0 and self._all_pass and self._plain:
-            self._set_direct(self._binder.n_args)
+        self._host_only = bool(self.unsupported)
 
-    def _target(self) -> torch.device:
-        return torch.empty(0, device=self._device).device
+    def _direct(self, config: CompilerConfig) -> None:
+        """Calls made as exported go to the runtime with no Python frame, unless every call
+        takes the host's loop."""
+        self._host_only = bool(self.unsupported) or config.pure_python
+        if not self._host_only and self._binder.n_args >= 0 and self._all_pass and self._plain:
+            self._set_direct(self._binder.n_args)
 
     # -- calling
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call the direct path does not take: another structure, constants, a tree of outputs,
-        or a profiler or ``__torch_function__`` to honour (the Python loop's)."""
+        the host's loop, or a profiler or ``__torch_function__`` to honour (the host's loop)."""
         leaves = self._binder.flatten(args, kwargs)
-        if _runtime.hooks_on(leaves):
-            return self._python()._call(args, kwargs)
         if not self._all_pass:
             self._binder.check_constants(leaves)
             leaves = [leaves[i] for i in self._pass]
-        out = self.run(leaves)
+        if self._host_only or _runtime.hooks_on(leaves):
+            entry = self._host()
+            positions = self._user_pos
+
+            def execute(graph_inputs: list[Any]) -> Any:
+                for p, leaf in zip(positions, leaves):
+                    graph_inputs[p] = leaf
+                return entry(graph_inputs)
+
+            out = self.run_on(leaves, execute)
+        else:
+            out = self.run(leaves)
         return out[0] if self._plain else pytree.tree_unflatten(out, self._out_spec)
 
-    def _python(self) -> Any:
-        """The package on the Python loader, sharing the runtime's current weights."""
-        if self._python_model is None:
+    def _host(self) -> Any:
+        """The package's graph on fxrt's own loops (:mod:`.host_loop`), built on first use: the
+        callable the runtime's ``run_on`` runs in place of its loop."""
+        if self._host_entry is None:
             with self._lock:
-                if self._python_model is None:
-                    py = load_python(
-                        self._keep, self._device, options=self._options, verify_weights=False
-                    )
-                    py.update_weights(self.state_dict(), strict=False)
-                    self._python_model = py
-        return self._python_model
+                if self._host_entry is None:
+                    config = self._config or _config(self.runtime_options, {})
+                    cg = host_graph(self, self._device, config)
+                    weights = [i for i, s in enumerate(self.signature.inputs) if s.kind == "weight"]
+                    self._compiled = cg
+                    self._host_entry = cg.entry(weights)
+        return self._host_entry
 
     # -- weights
 
@@ -190,22 +206,22 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
                 given[name] = torch.empty(0)
         with self._lock:
             self._update_weights(given, strict)
-            if self._python_model is not None:
-                self._python_model.update_weights(self.state_dict(), strict=False)
 
     # -- inspection
 
     @property
     def compiled(self) -> Any:
-        return self._python().compiled
+        """The package's graph as a :class:`fxrt.CompiledGraph` (decoded on first use)."""
+        self._host()
+        return self._compiled
 
     @property
     def program(self) -> Any:
-        return self._python().program
+        return self.compiled.program
 
     @property
     def graph(self) -> Any:
-        return self._python().graph
+        return self.compiled.graph
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -218,46 +234,57 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
 
     @property
     def executor(self) -> str:
-        return "cpp"
+        """What runs a call: ``cpp`` (the runtime's loop), or the host's loop's (``python``)."""
+        return self.compiled.executor if self._host_only else "cpp"
 
     def __repr__(self) -> str:
         users = ", ".join(s.name for s in self.signature.user_inputs())
         return (
             f"LoadedModel({self.module_name}({users}) from {self.path}, "
-            f"{self.num_instructions} instructions, executor='cpp')"
+            f"{self.num_instructions} instructions, executor={self.executor!r})"
         )
+
+
+def _config(stored: dict[str, Any], options: dict[str, Any]) -> CompilerConfig:
+    try:
+        return CompilerConfig.from_options(None, {**stored, **options, "cache": False})
+    except ValueError as e:
+        raise PackageError(f"invalid fxrt package: {e}") from None
 
 
 def load_runtime(
     source: Any, where: str, device: Any, verify_weights: bool, options: dict[str, Any]
-) -> LoadedModel | None:
-    """The package on the C++ runtime with fxrt.load's ``options`` (over the package's and the
-    environment's defaults), or None where there is none (no extension), the options ask for what
-    only the Python loader does (``pure_python``; ``check_inputs`` or an ``arena`` other than the
-    stored program's: the program lowered again), or the runtime cannot run the package
-    (:class:`Unsupported`)."""
-    if _runtime is None or options.get("pure_python") or "check_inputs" in options:
-        return None
-    keep = source if isinstance(source, (str, bytes)) else bytes(source)
+) -> LoadedModel:
+    """The package on the C++ runtime with fxrt.load's ``options`` over the package's and the
+    environment's defaults (see :func:`fxrt.load`)."""
+    if _runtime is None:
+        raise RuntimeError(
+            f"fxrt.load runs packages on fxrt's C++ runtime, which is not built here "
+            f"({extension_status().reason}); build the extension (make .venv/.fxrt, or pip install "
+            "--no-build-isolation -e .)"
+        )
+    if not isinstance(source, (str, bytes)):
+        source = bytes(source)
     try:
-        model = LoadedModel(keep, where, device, verify_weights, keep)
-    except Unsupported:
-        return None
+        model = LoadedModel(source, where, device, verify_weights)
+        config = _config(model.runtime_options, options)
+        loaded = {
+            "arena": True,
+            "arena_max_idle": model.runtime_options.get("arena_max_idle", 2),
+            "check_inputs": model.runtime_options.get("check_inputs", True),
+        }
+        chosen = {k: getattr(config, k) for k in loaded}
+        if chosen != loaded:
+            del model  # the runtime made its arena pool and checks at load: load again
+            model = LoadedModel(source, where, device, verify_weights, config)
+        model._config = config
+        model._direct(config)
+        if model._host_only:
+            model._host()  # every call takes it: a graph it refuses is refused at load
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
         # what else a hostile manifest provokes in the face's own reading: one clean error
         raise PackageError(f"invalid fxrt package: {type(e).__name__}: {str(e)[:300]}") from e
-    stored = model.runtime_options
-    config = CompilerConfig.from_options(None, {**stored, **options, "cache": False})
-    stored_arena = CompilerConfig.from_options(None, {**stored, "cache": False}).arena
-    if config.pure_python or config.check_inputs is not stored.get("check_inputs", True):
-        return None
-    if config.arena and not stored_arena:
-        return None  # the stored program has no arena: lowering again makes one
-    chosen = {"arena": config.arena, "arena_max_idle": config.arena_max_idle}
-    if chosen != {"arena": True, "arena_max_idle": stored.get("arena_max_idle", 2)}:
-        del model  # the runtime made its arena pool at load: load again with these
-        model = LoadedModel(keep, where, device, verify_weights, keep, chosen)
     return model
 
 
-__all__ = ["LoadedModel", "Unsupported", "load_runtime"]
+__all__ = ["RUNTIME_OPTIONS", "LoadedModel", "Unsupported", "load_runtime"]

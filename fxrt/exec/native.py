@@ -138,7 +138,6 @@ if _status.usable:
             _status.runtime.set_instrumenting(on)
 
     NativeReplayIndex: type | None = _status.module.ReplayIndex  # see fxrt.exec.replays
-    NativePackageEntry: type | None = _status.module.PackageEntry  # see fxrt.deploy.python_loader
 else:
 
     class _Executor:  # the base NativeLoop gets when there is no extension; it refuses to build
@@ -148,7 +147,6 @@ else:
         """Without the extension there is no compiled loop to tell."""
 
     NativeReplayIndex = None
-    NativePackageEntry = None
 
 
 _VIEW_KINDS = {"view": 0, "t": 1, "transpose": 2, "permute": 3, "reinterpret": 4, "split": 5}
@@ -353,7 +351,6 @@ def _input_error(specs: tuple[InputSpec, ...], inputs: Any) -> BaseException:
 __all__ = [
     "ExtensionStatus",
     "NativeLoop",
-    "NativePackageEntry",
     "NativeReplayIndex",
     "extension_status",
     "native_available",

@@ -111,7 +111,7 @@ def encode_graph(
         SerializationError: the graph holds something the format cannot name.
     """
     w = _Writer(caller_constants)
-    if check_exprs:  # what decode_graph would refuse is not written (e.g. ToFloat(s0))
+    if check_exprs:  # what decode_graph would refuse is not written
         for v in graph.values:
             if v.expr is not None:
                 _size_expr(v.expr, f"value {v.name} expression")

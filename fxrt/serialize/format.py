@@ -36,9 +36,14 @@ _SCALAR_KINDS = (ValueKind.SYM, ValueKind.SCALAR)
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.layout)}
 _FORMATS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.memory_format)}
-# A symbolic size as fxrt prints it (``4*s0*s1``, ``Max(1, s0)``, ``(s0//2)``): size symbols, a
-# few sympy functions, integers and arithmetic. Anything else could make sympy evaluate code.
-_SYMBOL = re.compile(r"[su]\d+|Max|Min|floor|ceiling|FloorDiv|CeilDiv|Mod|PythonMod|Abs")
+# A symbolic value as fxrt prints it (``4*s0*s1``, ``Max(1, s0)``, ``(s0//2)``,
+# ``IntTrueDiv(s0, 3)``): size symbols, a few sympy functions and torch's integer / float
+# conversions (names sympy reads as functions), integers and arithmetic. Anything else could make
+# sympy evaluate code.
+_SYMBOL = re.compile(
+    r"[su]\d+|Max|Min|floor|ceiling|FloorDiv|CeilDiv|Mod|PythonMod|Abs|IntTrueDiv|FloatTrueDiv"
+    r"|ToFloat|TruncToInt|TruncToFloat|FloorToInt|CeilToInt|RoundToInt|PowByNatural|FloatPow"
+)
 _EXPR = re.compile(r"[A-Za-z0-9_ +\-*/(),%.]{1,2000}")
 
 

@@ -21,6 +21,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -38,7 +39,8 @@ class PackageError : public std::runtime_error {
 };
 
 // A valid package that this runtime cannot run: one that stores no program for it, switches
-// streams, or calls Python. fxrt.load runs such packages; the message says why.
+// streams, or calls Python. fxrt.load runs such packages (LoadOptions::host_executor); the message
+// says why.
 class Unsupported : public PackageError {
  public:
   using PackageError::PackageError;
@@ -83,7 +85,21 @@ struct LoadOptions {
   bool arena = true;
   // How many idle arenas to keep between calls (default: the package's runtime option, else 2).
   std::optional<int64_t> arena_max_idle;
+  // false: the inputs are not checked (the package's runtime option check_inputs=False does the
+  // same in Python): for callers that know every call matches what the package was exported for.
+  // Default: the package's runtime option.
+  std::optional<bool> check_inputs;
+  // For a host that runs programs itself (fxrt.load's Python face): a valid package this runtime
+  // cannot run loads anyway (validated, weights mapped) instead of throwing Unsupported; run()
+  // throws Unsupported, Model::unsupported() says why, and run_on() runs it on the host's
+  // executor.
+  bool host_executor = false;
 };
+
+// A host's executor for Model::run_on(): the graph's inputs (user inputs, the current weights and
+// the constants the export specialized on, in the graph's order) to the graph's outputs (in its
+// order, mutated buffers and inputs included).
+using HostExecutor = std::function<std::vector<c10::IValue>(std::vector<c10::IValue>)>;
 
 // An input a host could not convert to a tensor or a number (a Python list where a tensor is
 // expected), given to run() so that the input check names it: "expected a tensor, got a list".
@@ -111,6 +127,13 @@ class Model {
   // The same for inputs that are tensors and ints (c10::IValue holding an at::Tensor or an
   // int64_t, in call order); outputs are tensors, ints or None.
   std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs) const;
+  // A call as run() makes it (inputs checked, one weight set, mutations copied back), its graph
+  // run by `host` instead of the runtime's loop. Thread-safe if `host` is.
+  std::vector<c10::IValue> run_on(
+      const std::vector<c10::IValue>& inputs,
+      const HostExecutor& host) const;
+  // Why run() cannot run this package (loaded with LoadOptions::host_executor); empty: it can.
+  const std::string& unsupported() const;
 
   // Replaces weights by name without reloading, as Python's LoadedModel.update_weights: each
   // tensor must have the weight's shape and dtype (one on another device or with other strides
@@ -134,6 +157,9 @@ class Model {
   std::string_view manifest_json() const;  // the package's manifest (a view of the loaded file)
   // One top-level field of the manifest as JSON text ("signature"), empty if there is none.
   std::string_view manifest_field(std::string_view key) const;
+  // The bytes of one entry of the weights section ("graph/<name>": a constant fxrt made, as its
+  // graph records it), for a host that decodes the graph; empty if there is none.
+  std::string_view entry_bytes(std::string_view name) const;
   // How many of the current weights are views of the memory-mapped file (all of them after a
   // load onto the CPU; fewer after update_weights or on another device).
   size_t mapped_weights() const;
