@@ -60,7 +60,7 @@ cdef class Model:
 
     cdef unique_ptr[CFaceModel] _m
     cdef Py_ssize_t _direct_args
-    cdef cbool _direct_plain
+    cdef object _direct_executor
 
     def __init__(
         self,
@@ -85,13 +85,17 @@ cdef class Model:
         )
         self._direct_args = -1
 
-    def _set_direct(self, Py_ssize_t n_args):
-        """Calls of ``n_args`` positional arguments with one output go to the runtime directly."""
+    def _set_direct(self, Py_ssize_t n_args, executor=None):
+        """Calls of ``n_args`` positional arguments with one output go to the runtime directly
+        (with ``executor``, to :meth:`run_on` with it)."""
         self._direct_args = n_args
+        self._direct_executor = executor
 
     def __call__(self, *args, **kwargs):
         if kwargs or len(args) != self._direct_args or _hooks_on(args):
             return self._call(args, kwargs)
+        if self._direct_executor is not None:
+            return self._m.get().run_on(args, self._direct_executor)[0]
         return self._m.get().run(args)[0]
 
     def _call(self, args, kwargs):

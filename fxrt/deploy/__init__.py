@@ -5,11 +5,13 @@
     m = fxrt.load("model.fxrt")          # a callable with the model's signature
     python -m fxrt inspect model.fxrt    # signature, ranges, ops, fallbacks, weights, versions
 
-Modules: :mod:`.build` (export: trace, decompose, compile, package), :mod:`.loaded` (load,
-validation, the callable), :mod:`.signature` (the calling convention), :mod:`.binder` (per-call
-binding and input checks), :mod:`.package` (the file layout), :mod:`.tensorfile` (the
-safetensors weights section), :mod:`.inspect` (the CLI's text). Names resolve lazily so that
-the CLI can read a package's manifest without importing torch.
+Modules: :mod:`.build` (export: trace, decompose, compile, package), :mod:`.loaded` (load),
+:mod:`.runtime_model` (``LoadedModel``, the face over the C++ runtime that loads, checks and runs
+packages), :mod:`.host_loop` (the package's graph on fxrt's own loops, where the runtime's loop
+does not run a call), :mod:`.signature` (the calling convention), :mod:`.binder` (the call's
+structure), :mod:`.program_data` (the stored program), :mod:`.package` (the file layout and
+manifest), :mod:`.tensorfile` (the safetensors weights section), :mod:`.inspect` (the CLI's
+text). Names resolve lazily so that the CLI can read a package's manifest without importing torch.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 fxrt's C++ runtime (``csrc/``) runs the same compiled loop as the Python extension but has no
 Python to decode a graph, plan its lifetimes, place its arena and lower it. So ``fxrt.export``
-stores the Program itself in the manifest's ``"program"`` field, and ``fxrt.load`` checks that
-the stored one equals the Program it recomputes from the graph (a package whose program was
-altered is refused in Python too, not only run differently in C++)::
+stores the Program itself in the manifest's ``"program"`` field, which the runtime validates and
+runs; where fxrt's own loops run the package's graph instead (:mod:`fxrt.deploy.host_loop`), the
+Program lowered from the graph must equal the stored one (a package means one program)::
 
     format     "fxrt-program/1"
     n_regs     size of the register file
@@ -30,8 +30,9 @@ altered is refused in Python too, not only run differently in C++)::
 ``op`` is the qualified name the manifest's ``ops`` table lists with its schema. Arguments and the
 output use :mod:`fxrt.serialize`'s encoding (a tensor is refused: graph tensors are registers,
 preloaded from the graph's ``constants``); dtypes are written ``torch.float32``. A program with
-PYCALLs is stored too (the Python check covers it), and the C++ runtime refuses it, naming the
-node. Importing this module imports no torch (``python -m fxrt inspect`` uses it).
+PYCALLs or several streams is stored too: the C++ runtime validates it but its loop does not run
+it (``fxrt.load`` runs the graph on fxrt's own loops; the C++ API refuses it, naming the node).
+Importing this module imports no torch (``python -m fxrt inspect`` uses it).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def cpp_runnable(program: dict[str, Any] | None) -> str | None:
             name = nodes[i] if isinstance(i, int) and 0 <= i < len(nodes) else "?"
             if kind == "PYCALL":
                 return f"node {name} runs Python ({str(ins.get('op'))[:80]})"
-            return f"node {name} switches streams (multi-stream programs run in Python only)"
+            return f"node {name} switches streams (fxrt.load runs it on fxrt's own loops)"
     return None
 
 

@@ -49,6 +49,10 @@ class Unsupported(PackageError):
     fxrt's own loops)."""
 
 
+class RuntimeNotBuilt(RuntimeError):
+    """fxrt.load was called where fxrt's C++ extension (its runtime) is not built."""
+
+
 RUNTIME_OPTIONS = ("pure_python", "arena", "arena_max_idle", "check_inputs")
 
 
@@ -131,11 +135,13 @@ class LoadedModel(_Base, metaclass=abc.ABCMeta):  # type: ignore[misc]
         self._host_only = bool(self.unsupported)
 
     def _direct(self, config: CompilerConfig) -> None:
-        """Calls made as exported go to the runtime with no Python frame, unless every call
-        takes the host's loop."""
+        """Calls made as exported go to the runtime with no Python frame (to ``run_on`` with the
+        host's loop, when every call takes it: built now, so that a graph it refuses is refused
+        at load)."""
         self._host_only = bool(self.unsupported) or config.pure_python
-        if not self._host_only and self._binder.n_args >= 0 and self._all_pass and self._plain:
-            self._set_direct(self._binder.n_args)
+        entry = self._host() if self._host_only else None
+        if self._binder.n_args >= 0 and self._all_pass and self._plain:
+            self._set_direct(self._binder.n_args, entry)
 
     # -- calling
 
@@ -258,7 +264,7 @@ def load_runtime(
     """The package on the C++ runtime with fxrt.load's ``options`` over the package's and the
     environment's defaults (see :func:`fxrt.load`)."""
     if _runtime is None:
-        raise RuntimeError(
+        raise RuntimeNotBuilt(
             f"fxrt.load runs packages on fxrt's C++ runtime, which is not built here "
             f"({extension_status().reason}); build the extension (make .venv/.fxrt, or pip install "
             "--no-build-isolation -e .)"
@@ -279,12 +285,10 @@ def load_runtime(
             model = LoadedModel(source, where, device, verify_weights, config)
         model._config = config
         model._direct(config)
-        if model._host_only:
-            model._host()  # every call takes it: a graph it refuses is refused at load
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
         # what else a hostile manifest provokes in the face's own reading: one clean error
         raise PackageError(f"invalid fxrt package: {type(e).__name__}: {str(e)[:300]}") from e
     return model
 
 
-__all__ = ["RUNTIME_OPTIONS", "LoadedModel", "Unsupported", "load_runtime"]
+__all__ = ["RUNTIME_OPTIONS", "LoadedModel", "RuntimeNotBuilt", "Unsupported", "load_runtime"]
