@@ -98,10 +98,9 @@ def _compile_inference(
     from .ir import ValueKind, from_fx
     from .shapefacts import ShapeFacts
 
-    # Dynamo restarts with float inputs specialized before anything is looked up or traced.
-    _specialize_float_inputs(
-        [n.meta.get("example_value", n.meta.get("val")) for n in _placeholders(gm)]
-    )
+    # Dynamo restarts with the floats the graph reads specialized, before anything is looked up
+    # or traced (where it can restart).
+    _specialize_float_inputs(gm)
     key_graph = from_fx(gm, example_inputs)
     static = all(
         v.kind is not ValueKind.SYM and (v.meta is None or v.meta.is_static)
@@ -191,7 +190,7 @@ def trace_to_aten(
         f if isinstance(f, FakeTensor) and f.fake_mode is fake_mode else fakify(x)
         for f, x in zip(dynamo_fakes, example_inputs)
     ]
-    _specialize_float_inputs(dynamo_fakes)
+    _specialize_float_inputs(gm)
     interpreter = torch.fx.Interpreter(gm)
     # The Python dispatcher, as in AOTAutograd: symbolic-size-aware decompositions and metas.
     with fx_traceback.preserve_node_meta(), fake_mode, enable_python_dispatcher():
@@ -199,26 +198,82 @@ def trace_to_aten(
     return aten, inputs
 
 
-def _specialize_float_inputs(dynamo_fakes: Sequence[Any]) -> None:
-    """Ask Dynamo to restart with float inputs specialized.
+def _specialize_float_inputs(gm: torch.fx.GraphModule) -> None:
+    """Ask Dynamo to restart with the float inputs the graph reads specialized, where it can.
 
     Under ``dynamic=True`` Dynamo turns Python floats (LayerNorm's ``eps``) into scalar tensors
     read back with ``.item()``; AOTAutograd rewrites those reads into tensor arithmetic and asks
-    Dynamo to specialize the ones it cannot. fxrt specializes them all: Dynamo then bakes each
-    float in as a constant, guarded, and restarts the analysis.
+    Dynamo to specialize the ones it cannot. fxrt specializes every float the graph reads: Dynamo
+    then bakes each in as a constant, guarded, and restarts the analysis, so fused patterns see
+    constants.
+
+    Dynamo gives every 0-d float or integer tensor input such a memo, read or not; an input the
+    graph uses only as a tensor (a serving engine's 0-d handle tensors) is left alone. Where
+    the caller cannot restart (``aot_compile``, which PyTorch's precompile and serving engines
+    use), nothing is asked: the read stays a symbolic float, which the trace and both loops
+    handle, at the cost of the constant the patterns would have seen.
     """
+    names = _floats_read(gm)
+    if not names:
+        return
+    if _in_aot_compile():
+        _fold_guarded_reads(gm)
+        return
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
 
     restart = False
-    for fake in dynamo_fakes:
-        memo = getattr(fake, "item_memo", None)
-        name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
-        if name is not None and not TensorifyState.should_specialize(name):
+    for name in names:
+        if not TensorifyState.should_specialize(name):
             TensorifyState.specialize(name)
             restart = True
     if restart:
         raise TensorifyScalarRestartAnalysis
+
+
+def _floats_read(gm: torch.fx.GraphModule) -> list[str]:
+    """The symbols of the scalar memos of ``gm``'s inputs that the graph reads with ``.item()``."""
+    names = []
+    for n in _placeholders(gm):
+        name = _memo_name(n)
+        if name is not None and any(_reads_item(u) for u in n.users):
+            names.append(name)
+    return names
+
+
+def _fold_guarded_reads(gm: torch.fx.GraphModule) -> None:
+    """Replace each ``.item()`` read whose value Dynamo's trace already pinned with a guard (the
+    shape environment maps its symbol to a number: LayerNorm's ``eps``) by that number, as the
+    restart would have. A read still symbolic stays a read."""
+    import sympy
+
+    for n in _placeholders(gm):
+        value = n.meta.get("example_value", n.meta.get("val"))
+        memo = getattr(value, "item_memo", None)
+        expr = getattr(getattr(memo, "node", None), "expr", None)
+        if not isinstance(expr, sympy.Number):
+            continue
+        number = float(expr) if value.dtype.is_floating_point else int(expr)
+        for user in [u for u in n.users if _reads_item(u)]:
+            user.replace_all_uses_with(number)
+            gm.graph.erase_node(user)
+    gm.recompile()
+
+
+def _memo_name(placeholder: torch.fx.Node) -> str | None:
+    value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
+    memo = getattr(value, "item_memo", None)
+    return getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+
+
+def _reads_item(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "item"
+    return node.op == "call_function" and node.target in (
+        torch.Tensor.item,
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.item.default,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -185,3 +185,79 @@ def test_a_graph_the_format_cannot_hold_names_itself():
         c = compiled.aot_compile(((torch.randn(3),), {}))
     with pytest.raises(SerializationError, match="cannot save graph.* for precompile.*cond"):
         c.save_compiled_function("/dev/null")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.float32])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_aot_compile_takes_0d_tensor_inputs(executor, dtype):
+    # Dynamo gives every 0-d CPU tensor input a memo for ``.item()``; a graph that uses it as a
+    # tensor (a serving engine's handle tensors) has nothing to specialize, and aot_compile
+    # cannot restart Dynamo.
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+
+    def f(x, h):
+        return x * 2 + h
+
+    compiled = torch.compile(
+        f, fullgraph=True, backend="fxrt", options={"pure_python": executor == "python"}
+    )
+    x, h = torch.randn(4, 8, dtype=torch.float64), torch.tensor(3, dtype=dtype)
+    with torch.no_grad():
+        c = compiled.aot_compile(((x, h), {}))
+        other = (torch.randn(4, 8, dtype=torch.float64), torch.tensor(5, dtype=dtype))
+        for args in [(x, h), other]:
+            torch.testing.assert_close(c(*args), f(*args))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_aot_compile_reads_a_float_input_without_a_restart(executor):
+    # Under dynamic=True a Python float becomes a 0-d tensor read with .item(); torch.compile
+    # restarts Dynamo with it specialized, aot_compile cannot: the read stays symbolic and one
+    # compiled function serves every value.
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+
+    def f(x, s):
+        return x * s + (s * 2 - 1)
+
+    compiled = torch.compile(
+        f,
+        fullgraph=True,
+        backend="fxrt",
+        dynamic=True,
+        options={"pure_python": executor == "python"},
+    )
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        c = compiled.aot_compile(((x, 2.5), {}))
+        for s in (2.5, 0.25, -3.0):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(c(x, s), f(x, s))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_aot_compile_folds_a_float_dynamo_pinned(executor):
+    # LayerNorm's eps as a float argument under dynamic=True: Dynamo's trace already guards on
+    # its value, and the op needs a number. torch.compile would restart with it specialized;
+    # under aot_compile fxrt folds the guarded value in, and the guard refuses another eps.
+    skip_unless_executor(executor)
+    torch._dynamo.reset()
+
+    def f(x, eps):
+        return torch.nn.functional.layer_norm(x, (8,), eps=eps) * 2
+
+    compiled = torch.compile(
+        f,
+        fullgraph=True,
+        backend="fxrt",
+        dynamic=True,
+        options={"pure_python": executor == "python"},
+    )
+    with torch.no_grad():
+        c = compiled.aot_compile(((torch.randn(3, 8), 1e-5), {}))
+        for shape in [(3, 8), (6, 8)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(c(x, 1e-5), f(x, 1e-5))
+        with pytest.raises(RuntimeError, match="eps"):
+            c(x, 0.5)
