@@ -83,7 +83,34 @@ def _describe_input(x: Any, symbolic: bool) -> str:
         if not symbolic:
             raise Unkeyable("a symbolic input")
         return f"{type(x).__name__}:{x}"
-    return f"{type(x).__name__}:{x!r}"
+    if x is None or isinstance(x, bool | int | float | complex | str | bytes):
+        return f"{type(x).__name__}:{x!r}"
+    if isinstance(x, torch.dtype | torch.device | torch.layout | torch.memory_format):
+        return f"torch:{x}"
+    return _describe_opaque(x)
+
+
+def _describe_opaque(x: Any) -> str:
+    """An opaque object input (``torch.library``'s registered types; Dynamo lifts hoisted ones
+    to graph inputs, e.g. a serving engine's layer names): a value type by the value it
+    declares (``__fx_repr__``, which its ``__eq__`` guards on), never by an address. A reference
+    type, or any other object, has no value to key by."""
+    from torch._library.opaque_object import get_opaque_obj_repr, is_opaque_value_type
+
+    cls = type(x)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if is_opaque_value_type(cls):
+        try:
+            text, _ = get_opaque_obj_repr(x)
+        except Exception as e:
+            raise Unkeyable(
+                f"an opaque input of type {name} whose value cannot be read: {e}"
+            ) from None
+        return f"opaque:{name}:{text}"
+    raise Unkeyable(
+        f"an input of type {name} (only tensors, numbers, strings and opaque value types are "
+        "keyed by value)"
+    )
 
 
 def config_text(config: Any) -> str:

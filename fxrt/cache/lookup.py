@@ -69,7 +69,7 @@ def cached_compile(
             key = cache_key(key_graph, example_inputs or (), config, level=level, shape_facts=facts)
         except Unkeyable as e:
             stats["uncached"] += 1
-            log.debug("fxrt cache: not caching %s: %s", name, e)
+            log.info("fxrt cache: not caching %s: %s", name, e)
             key = None
         store = open_store(config) if key is not None else None
         if store is not None:
