@@ -208,6 +208,11 @@ class CompiledGraph:
         with gc_paused(), outside_inference_mode():
             return deserialize(data, cls._rebuilt)
 
+    def finalize_loading(self, *engine_state: Any) -> None:
+        """Called by a serving engine on what it loaded from precompile bytes, before the first
+        call (vLLM passes its config on a warm start). A loaded graph is complete: nothing is
+        left to do."""
+
     def graph_text(self) -> str:
         return graph_to_text(self.graph)
 
@@ -234,6 +239,9 @@ class GraphLoop(NativeLoop):
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> Callable[..., Any]:
         return CompiledGraph.deserialize_compile_artifacts(data).entry()
+
+    def finalize_loading(self, *engine_state: Any) -> None:
+        """See :meth:`CompiledGraph.finalize_loading`."""
 
 
 def _region_graph(graph: Graph, config: CompilerConfig, capture: bool) -> CompiledGraph:

@@ -95,8 +95,11 @@ def _describe_opaque(x: Any) -> str:
     to graph inputs, e.g. a serving engine's layer names): a value type by the value it
     declares (``__fx_repr__``, which its ``__eq__`` guards on), never by an address. A reference
     type, or any other object, has no value to key by."""
+    from torch._library.fake_class_registry import FakeScriptObject
     from torch._library.opaque_object import get_opaque_obj_repr, is_opaque_value_type
 
+    if isinstance(x, FakeScriptObject):  # how Dynamo may hand over an opaque input
+        x = x.real_obj
     cls = type(x)
     name = f"{cls.__module__}.{cls.__qualname__}"
     if is_opaque_value_type(cls):
