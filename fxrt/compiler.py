@@ -56,7 +56,11 @@ class CompiledGraph:
         stage_records: one ``PassRecord`` per compile-pipeline stage that ran in this process
             (:data:`fxrt.pipeline.PIPELINE`, built-in passes included); empty for a graph loaded
             from an artifact or the cache.
+        cache_key: the key of this graph's entry in the compile cache, where it was stored in or
+            loaded from one (``None`` otherwise): a serving engine keeps it as its handle.
     """
+
+    cache_key: str | None = None
 
     def __init__(self, graph: Graph, plan: Plan, program: Program, config: CompilerConfig):
         # An instance attribute, not a class one: torch's wrappers (``functools.wraps``) copy the

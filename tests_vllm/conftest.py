@@ -86,7 +86,8 @@ def run_llm(tmp_path: Path, model: str, *, llm=None, env=None, prompts=PROMPTS, 
         timeout=600,
     )
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-6000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # vLLM logs to standard output, fxrt and Python warnings to standard error.
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stdout + out.stderr}
 
 
 @pytest.fixture(scope="session")

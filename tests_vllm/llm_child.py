@@ -17,6 +17,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
     llm = LLM(
         model=args["model"],
@@ -34,6 +35,7 @@ def main() -> None:
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "startup_s": started,
         "fxrt": None,
+        "platform": type(current_platform).__name__,
     }
     if "fxrt" in sys.modules:
         import fxrt

@@ -37,3 +37,40 @@ def test_trace_once_without_aot_compile(tmp_path, model_dir, eager_tokens, backe
     warm = run_llm(tmp_path, model_dir("llama"), llm=llm, env=env)
     assert warm["tokens"] == eager_tokens("llama")
     assert warm["fxrt"].get("compiled", 0) == 0 and warm["fxrt"]["hit"] == 1, warm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_piecewise_with_fxrt_platform_and_warm_restart(tmp_path, model_dir, eager_tokens, arch):
+    # FXRT_VLLM=1: vLLM's default mode (VLLM_COMPILE) splits the model at attention and fxrt's
+    # CompilerInterface compiles each piece; a restart loads each from fxrt's cache by handle.
+    env = {"FXRT_VLLM": "1", "FXRT_LOG": "info"}
+    cold = run_llm(tmp_path, model_dir(arch), env=env)
+    assert cold["tokens"] == eager_tokens(arch)
+    assert cold["platform"] == "FxrtCpuPlatform"
+    assert "vLLM compiles piecewise with fxrt" in cold["log"]
+    pieces = cold["fxrt"]["compiled"]
+    assert pieces == 3 and cold["fxrt"]["stored"] == pieces, cold["fxrt"]  # 2 layers: 3 pieces
+    warm = run_llm(tmp_path, model_dir(arch), env=env)
+    assert warm["tokens"] == eager_tokens(arch)
+    assert warm["fxrt"].get("compiled", 0) == 0 and warm["fxrt"]["hit"] == pieces, warm["fxrt"]
+    assert "not in fxrt's cache" not in warm["log"]
+
+
+def test_stock_torch_compile_says_it_does_not_compile(tmp_path, model_dir, eager_tokens):
+    # vLLM's CPU model runner never compiles in mode 1: fxrt's platform says so.
+    llm = {"compilation_config": {"mode": 1, "backend": "fxrt"}}
+    out = run_llm(tmp_path, model_dir("llama"), llm=llm, env={"FXRT_VLLM": "1"})
+    assert out["tokens"] == eager_tokens("llama")
+    assert "does not compile in STOCK_TORCH_COMPILE mode" in out["log"]
+    assert out["fxrt"] is None or out["fxrt"].get("compiled", 0) == 0
+
+
+def test_without_the_plugin_vllm_keeps_its_platform(tmp_path, model_dir):
+    out = run_llm(
+        tmp_path,
+        model_dir("llama"),
+        llm={"enforce_eager": True},
+        env={"FXRT_VLLM": "0"},
+        max_tokens=2,
+    )
+    assert out["platform"] == "CpuPlatform"

@@ -80,6 +80,7 @@ def cached_compile(
     if store is None:  # build() runs in the caller's modes (Dynamo's fake mode)
         return build()
     if hit is not None:
+        hit.cache_key = key
         stats["hit"] += 1
         log.info(
             "fxrt cache: hit %s %s, key %s, loaded in %.1f ms",
@@ -106,6 +107,7 @@ def cached_compile(
             return cg
     with _disable_current_modes():
         _store_entry(store, key, caller, traces, cg, name, level, guards)
+    cg.cache_key = key
     return cg
 
 
