@@ -2,7 +2,7 @@
 
 Run it with the vLLM environment's Python (``make test-vllm`` builds ``.venv-vllm``)::
 
-    .venv-vllm/bin/python benchmarks/vllm.py [--models tiny,smollm2] [--rounds 3]
+    .venv-vllm/bin/python benchmarks/serve_vllm.py [--models tiny,smollm2] [--rounds 3]
         [--backends eager,default,fxrt,fxrt-piecewise] [--threads 1]
 
 Backends (each a fresh engine process, in one-process mode):
