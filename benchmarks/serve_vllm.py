@@ -17,17 +17,18 @@ Backends (each a fresh engine process, in one-process mode):
 
 Each round runs every backend twice on a fresh pair of caches (vLLM's, fxrt's, Inductor's):
 ``cold`` (nothing cached) then ``warm`` (the restart), interleaving backends within the round.
-Per process it reports: ``start``, the ``LLM(...)`` construction (model load, compile or cache
+Per process it reports ``start``, the ``LLM(...)`` construction (model load, compile or cache
 load, vLLM's warm-up, KV cache; the ``import vllm`` before it is the same for every backend and
-left out) and ``compile``, vLLM's own count of the seconds its compile step took (0 for eager);
-then, on the warm engine, the per-token latency at batch 1 (one 32-token prompt, 64 new tokens,
-ms per token) and the offline throughput with 8 concurrent sequences (8 prompts of 32 tokens, 64
-new tokens each; generated tokens per second). Medians over the rounds. Greedy tokens of every
-backend are compared with eager's (``tokens``: ``same`` or ``DIFF``).
+left out), and ``over eager``, that start less eager's in the same round (what compiling, or
+loading what was compiled, added). On the warm engine: the per-token latency at batch 1 (one
+32-token prompt, 64 new tokens, ms per token) and the offline throughput with 8 concurrent
+sequences (8 prompts of 32 tokens, 64 new tokens each; generated tokens per second). Medians over
+the rounds. Greedy tokens of every backend are compared with eager's (``same`` or ``DIFF``).
 
 Models are built here from configs with random weights: ``tiny`` (Llama, 2 layers, hidden 128),
-``smollm2`` (Llama, 30 layers, hidden 576, SmolLM2-135M's shape) and ``qwen25`` (Qwen2, 24
-layers, hidden 896, Qwen2.5-0.5B's shape).
+``smollm2`` (Llama, 30 layers, hidden 576, SmolLM2-135M's shape), ``qwen25`` (Qwen2, 24
+layers, hidden 896, Qwen2.5-0.5B's shape), and tiny models of other architectures
+(``qwen2-tiny``, ``mistral-tiny``, ``gemma-tiny``, ``phi3-tiny``, ``opt-tiny``, ``gpt2-tiny``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
 SHAPES = {
     "tiny": ("llama", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=256, vocab_size=512)),
@@ -52,6 +53,17 @@ SHAPES = {
     "qwen25": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                              num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                              tie_word_embeddings=True)),
+    # Other architectures, tiny (2 layers, hidden 128, head size 32): tokens against eager's.
+    "qwen2-tiny": ("qwen2", dict(_TINY, num_key_value_heads=2, intermediate_size=256)),
+    "mistral-tiny": ("mistral", dict(_TINY, num_key_value_heads=2, head_dim=32,
+                                     intermediate_size=256)),
+    "gemma-tiny": ("gemma", dict(_TINY, num_key_value_heads=1, head_dim=32,
+                                 intermediate_size=256)),
+    "phi3-tiny": ("phi3", dict(_TINY, num_key_value_heads=2, intermediate_size=256,
+                               pad_token_id=0)),
+    "opt-tiny": ("opt", dict(_TINY, ffn_dim=256, word_embed_proj_dim=128)),
+    "gpt2-tiny": ("gpt2", dict(n_embd=128, n_layer=2, n_head=4, n_positions=1024,
+                               vocab_size=512)),
 }  # fmt: skip
 BACKENDS = {
     "eager": ({"enforce_eager": True}, {}),
@@ -72,9 +84,16 @@ def make_model(name: str, root: Path) -> str:
         config_cls, model_cls = {
             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+            "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+            "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+            "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+            "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         }[arch]
         torch.manual_seed(0)
-        config = config_cls(max_position_embeddings=1024, torch_dtype="float32", **shape)
+        if arch != "gpt2":
+            shape = dict(shape, max_position_embeddings=1024)
+        config = config_cls(torch_dtype="float32", **shape)
         model_cls(config).save_pretrained(path)
     return str(path)
 
@@ -138,8 +157,6 @@ def run(model: str, backend: str, caches: Path, measure: bool, threads: int) -> 
     if out.returncode or not lines:
         raise RuntimeError(f"{backend} failed:\n{(out.stdout + out.stderr)[-4000:]}")
     result = json.loads(lines[-1][len("RESULT ") :])
-    took = re.findall(r"torch.compile took ([0-9.]+) s in total", out.stdout + out.stderr)
-    result["compile"] = sum(map(float, took))
     return result
 
 
@@ -156,7 +173,7 @@ def main() -> None:
     backends = args.backends.split(",")
     root = Path(tempfile.mkdtemp(prefix="fxrt-vllm-bench-"))
     print(f"# vLLM, one engine process at a time, {args.threads} thread(s), medians of "
-          f"{args.rounds} rounds; start and compile in s, cold / warm")  # fmt: skip
+          f"{args.rounds} rounds; seconds for start-up")  # fmt: skip
     for name in args.models.split(","):
         model = make_model(name, root)
         results: dict[str, list] = {b: [] for b in backends}
@@ -169,7 +186,7 @@ def main() -> None:
         base = results["eager"][0][1]["tokens"] if "eager" in results else None
         default = results.get("default")
         print(f"\n## {name}\n")
-        print("| backend | start cold | start warm | compile cold | compile warm | "
+        print("| backend | start cold | start warm | over eager cold | over eager warm | "
               "ms/token (batch 1) | tokens/s (8 seqs) | vs default | tokens |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|")
         med = statistics.median
@@ -181,7 +198,13 @@ def main() -> None:
                 ratio = f"{tps / med(w['tokens_per_s'] for _, w in default):.2f}x"
             same = all(w["tokens"] == base for _, w in runs) if base else None
             start = [med(c["start"] for c, _ in runs), med(w["start"] for _, w in runs)]
-            took = [med(c["compile"] for c, _ in runs), med(w["compile"] for _, w in runs)]
+            eager = results.get("eager")
+            took = [
+                med(run[k]["start"] - eager[r][k]["start"] for r, run in enumerate(runs))
+                if eager
+                else float("nan")
+                for k in (0, 1)
+            ]
             print(
                 f"| {b} | {start[0]:.1f} | {start[1]:.1f} | {took[0]:.1f} | {took[1]:.1f} | "
                 f"{med(w['ms_per_token'] for _, w in runs):.2f} | {tps:.0f} | {ratio} | "

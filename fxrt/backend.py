@@ -210,8 +210,9 @@ def _specialize_float_inputs(gm: torch.fx.GraphModule) -> None:
     Dynamo gives every 0-d float or integer tensor input such a memo, read or not; an input the
     graph uses only as a tensor (a serving engine's 0-d handle tensors) is left alone. Where
     the caller cannot restart (``aot_compile``, which PyTorch's precompile and serving engines
-    use), nothing is asked: the read stays a symbolic float, which the trace and both loops
-    handle, at the cost of the constant the patterns would have seen.
+    use), nothing is asked: a read whose value Dynamo's trace already pinned with a guard is
+    folded in, as the restart would have (:func:`_fold_guarded_reads`), and one still symbolic
+    stays a symbolic float, which the trace and both loops handle.
     """
     names = _floats_read(gm)
     if not names:
