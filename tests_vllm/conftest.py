@@ -15,6 +15,7 @@ import pytest
 HERE = Path(__file__).parent
 PROMPTS = [[1, 5, 7, 9], [1, 100, 200], [3, 17, 250, 12, 40, 2], [1]]
 ARCHITECTURES = ("llama", "qwen2")
+SETUP = {"scaled_llama": str(HERE / "scaled_llama.py")}  # what registers a model with vLLM
 
 
 def _config(arch: str):
@@ -32,6 +33,10 @@ def _config(arch: str):
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if arch == "scaled_llama":  # tests_vllm/scaled_llama.py registers it with vLLM
+        config = transformers.LlamaConfig(**common)
+        config.architectures = ["ScaledLlamaForCausalLM"]
+        return config, transformers.LlamaForCausalLM
     if arch == "qwen2":
         return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     raise ValueError(arch)
@@ -50,7 +55,12 @@ def model_dir(tmp_path_factory):
             config, cls = _config(arch)
             torch.manual_seed(0)
             path = root / arch
+            architectures = config.architectures
             cls(config).save_pretrained(path)
+            if architectures:  # save_pretrained writes the class it saved
+                saved = json.loads((path / "config.json").read_text())
+                saved["architectures"] = architectures
+                (path / "config.json").write_text(json.dumps(saved))
             made[arch] = str(path)
         return made[arch]
 
@@ -98,7 +108,9 @@ def eager_tokens(model_dir, tmp_path_factory):
     def get(arch: str) -> list:
         if arch not in done:
             tmp = tmp_path_factory.mktemp(f"eager-{arch}")
-            done[arch] = run_llm(tmp, model_dir(arch), llm={"enforce_eager": True})["tokens"]
+            done[arch] = run_llm(
+                tmp, model_dir(arch), llm={"enforce_eager": True}, setup=SETUP.get(arch)
+            )["tokens"]
         return done[arch]
 
     return get

@@ -15,6 +15,10 @@ import time
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if args.get("setup"):  # e.g. a model registered with vLLM (one-process engine: it sees it)
+        import runpy
+
+        runpy.run_path(args["setup"])
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -41,15 +45,19 @@ def main() -> None:
         import fxrt
 
         gc.unfreeze()  # vLLM freezes what start-up made: get_objects() would not see it
-        objects = gc.get_objects()
+        # What vLLM's AOT-compiled functions call (fresh or loaded from vLLM's cache).
+        called = [
+            o._artifacts.compiled_fn
+            for o in gc.get_objects()
+            if type(o).__name__ == "AOTCompiledFunction"
+        ]
+        graphs = [getattr(f, "_owner", f) for f in called]
         result["fxrt"] = {
             **fxrt.cache.stats,
             "executor": fxrt.runtime_info()["executor"],
-            # What vLLM's AOT-compiled functions call (fresh or loaded from vLLM's cache).
-            "aot": sorted(
-                type(o._artifacts.compiled_fn).__name__
-                for o in objects
-                if type(o).__name__ == "AOTCompiledFunction"
+            "aot": sorted(type(f).__name__ for f in called),
+            "fallbacks": sum(
+                len(g.program.fallbacks) for g in graphs if isinstance(g, fxrt.CompiledGraph)
             ),
         }
     print(json.dumps(result), flush=True)

@@ -74,3 +74,17 @@ def test_without_the_plugin_vllm_keeps_its_platform(tmp_path, model_dir):
         max_tokens=2,
     )
     assert out["platform"] == "CpuPlatform"
+
+
+@pytest.mark.parametrize("executor", ["cpp", "python"])
+def test_a_graph_fxrt_runs_partly_in_python(tmp_path, model_dir, eager_tokens, executor):
+    # A model registered with vLLM whose output is scaled by a float of the token count: a
+    # symbolic float expression, which fxrt runs as a Python fallback inside its loop.
+    from conftest import SETUP
+
+    env = {"FXRT_PURE_PYTHON": "1" if executor == "python" else "0", "FXRT_LOG": "info"}
+    out = run_llm(
+        tmp_path, model_dir("scaled_llama"), llm=TRACE_ONCE, env=env, setup=SETUP["scaled_llama"]
+    )
+    assert out["tokens"] == eager_tokens("scaled_llama")
+    assert out["fxrt"]["compiled"] == 1 and out["fxrt"]["fallbacks"] >= 1, out["fxrt"]
