@@ -83,7 +83,7 @@ sweep: $(VENV)/.fxrt
 
 # Every number the README quotes, each with exactly the flags the README gives (about an hour;
 # run on a quiet machine).
-bench: $(VENV)/.fxrt
+bench: $(VENV)/.fxrt $(VLLM_VENV)/.fxrt
 	$(PY) -m fxrt bench --rounds 25
 	$(PY) benchmarks/entry.py
 	$(PY) benchmarks/dynamic.py
@@ -100,6 +100,8 @@ bench: $(VENV)/.fxrt
 	$(PY) benchmarks/capture.py --rounds 15 --clock cpu
 	$(PY) benchmarks/threads.py --rounds 5
 	$(PY) benchmarks/attention.py --rounds 11
+	$(VLLM_PY) benchmarks/serve_vllm.py --models tiny --rounds 3
+	$(VLLM_PY) benchmarks/serve_vllm.py --models smollm2 --rounds 1
 
 clean:
 	rm -rf build dist *.egg-info fxrt/_speedups/*.so fxrt/_speedups/*.cpp
