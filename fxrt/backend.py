@@ -249,8 +249,7 @@ def _fold_guarded_reads(gm: torch.fx.GraphModule) -> None:
     import sympy
 
     for n in _placeholders(gm):
-        value = n.meta.get("example_value", n.meta.get("val"))
-        memo = getattr(value, "item_memo", None)
+        value, memo = _memo(n)
         expr = getattr(getattr(memo, "node", None), "expr", None)
         if not isinstance(expr, sympy.Number):
             continue
@@ -261,9 +260,14 @@ def _fold_guarded_reads(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _memo_name(placeholder: torch.fx.Node) -> str | None:
+def _memo(placeholder: torch.fx.Node) -> tuple[Any, Any]:
+    """The input's example value as Dynamo traced it, and its ``.item()`` memo (or None)."""
     value = placeholder.meta.get("example_value", placeholder.meta.get("val"))
-    memo = getattr(value, "item_memo", None)
+    return value, getattr(value, "item_memo", None)
+
+
+def _memo_name(placeholder: torch.fx.Node) -> str | None:
+    memo = _memo(placeholder)[1]
     return getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
 
 

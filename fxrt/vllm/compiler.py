@@ -72,7 +72,7 @@ class FxrtCompiler(CompilerInterface):
 
     def _compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[Any, Any]:
         from ..backend import backend
+        from .graphs import compiled_graph
 
         fn = backend(graph, example_inputs, options={"cache": self.cache})
-        owner = getattr(fn, "_owner", fn)  # the compiled loop's graph, or the graph itself
-        return fn, getattr(owner, "cache_key", None)
+        return fn, getattr(compiled_graph(fn), "cache_key", None)

@@ -47,7 +47,10 @@ class FxrtGraphWrapper:
 
     def __init__(self, runnable: Any, vllm_config: Any, runtime_mode: Any, **kwargs: Any) -> None:
         from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
 
+        # Imported once here: the call path reads the forward context on every call.
+        self._context, self._has_context = get_forward_context, is_forward_context_available
         if runtime_mode == CUDAGraphMode.NONE:
             raise ValueError("fxrt: a static graph wrapper needs a runtime mode other than NONE")
         self.runnable = runnable
@@ -58,11 +61,9 @@ class FxrtGraphWrapper:
         self.captured = None if cg is None else _with_capture(cg)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        if self.captured is None or kwargs or not is_forward_context_available():
+        if self.captured is None or kwargs or not self._has_context():
             return self.runnable(*args, **kwargs)
-        context = get_forward_context()
+        context = self._context()
         if context.cudagraph_runtime_mode != self.runtime_mode or context.batch_descriptor is None:
             return self.runnable(*args)
         self.batch_descriptors.add(context.batch_descriptor)
